@@ -1,0 +1,46 @@
+# specboost — every target creates .venv and installs into it when needed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARTIFACTS ?= artifacts
+
+LLM ?= $(ARTIFACTS)/tiny-models/llm
+SSMS ?= $(ARTIFACTS)/tiny-models/ssm
+PROMPTS ?= data/prompts/bench_prompts.txt
+
+.PHONY: install test lint format example bench-decoder clean
+
+install: $(STAMP)
+
+# torch comes first and pinned, so that pip takes the local CPU wheel and never a CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# The README's decoding example, on tiny models built from configs.
+example: $(STAMP)
+	$(BIN)/python -m specboost.decoder.example
+
+bench-decoder: $(STAMP)
+	$(BIN)/python -m specboost.decoder.tiny_models --out $(ARTIFACTS)/tiny-models
+	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) \
+		--out $(ARTIFACTS)/bench-decoder
+
+clean:
+	rm -rf $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis

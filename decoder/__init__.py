@@ -1,0 +1,16 @@
+"""Lossless speculative decoding with a pool of SSMs: `SpeculativeDecoder`."""
+
+from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
+from specboost.decoder.stats import DecodeStats
+from specboost.decoder.verify import Rule
+from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
+
+__all__ = [
+    "BeamShape",
+    "ChainShape",
+    "DecodeStats",
+    "Rule",
+    "SpeculativeDecoder",
+    "SpeculativeOutput",
+    "TopologyShape",
+]

@@ -1,0 +1,229 @@
+"""`SpeculativeDecoder`: lossless speculative decoding of any Hugging Face causal LM with a
+pool of SSMs, verified as one token tree per LLM pass (ALGORITHMS.md sections 1-3, 12).
+
+The loop (`_decode`) has four steps: draft a tree, verify it in one LLM pass, emit the accepted
+tokens (applying the stopping criteria), and report back to the speculation strategy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from specboost.decoder.stats import DecodeStats, PhaseTimer
+from specboost.decoder.stopping import StopCriteria
+from specboost.decoder.target import TargetState
+from specboost.decoder.validation import check_causal_lm, check_same_vocabulary, context_length
+from specboost.decoder.verifiers import StairsVerifier, TreeVerifier, Verifier
+from specboost.decoder.verify import Rule
+from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
+from specboost.speculator.shapes import DraftShape
+from specboost.speculator.speculation import PoolSpeculator, Speculator
+from specboost.speculator.tree import TokenTree
+
+
+@dataclass
+class SpeculativeOutput:
+    sequences: torch.Tensor  # [1, prompt + new] LongTensor, like model.generate
+    stats: DecodeStats
+    finish_reason: str  # "eos" | "length" | "stop_string"
+
+
+class SpeculativeDecoder:
+    """Speeds up `llm` with the SSMs `ssms`; greedy output is identical to `llm.generate`'s and
+    sampled output has the LLM's distribution.
+
+    Args:
+        llm: the target causal LM.
+        ssms: small speculative models sharing the LLM's vocabulary.
+        tokenizer: the LLM's tokenizer (needed for stop strings and tokenizer checks).
+        shape: what every SSM drafts per step: `ChainShape(length)`, `BeamShape(width, depth)`
+            or `TopologyShape(parents)`. Default: a chain of 4.
+        rule: verification rule, "greedy" | "mss" | "without_replacement" | "target"; None picks
+            greedy for do_sample=False and the lossless rule for the tree kind otherwise.
+        verification: "tree" (one tree-attention pass) or "stairs" (ALGORITHMS.md 12; greedy chains).
+        speculator: a custom speculation strategy (overrides `shape`).
+        ssm_tokenizers: the SSMs' own tokenizers, checked against `tokenizer` when given.
+    """
+
+    def __init__(
+        self,
+        llm: PreTrainedModel,
+        ssms: Sequence[PreTrainedModel],
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        shape: DraftShape | None = None,
+        rule: Rule | str | None = None,
+        verification: Literal["tree", "stairs"] = "tree",
+        speculator: Speculator | None = None,
+        ssm_tokenizers: Sequence[PreTrainedTokenizerBase | None] | None = None,
+    ) -> None:
+        check_causal_lm(llm, "LLM")
+        ssms = list(ssms)
+        for i, ssm in enumerate(ssms):
+            check_causal_lm(ssm, f"SSM {i}")
+            ssm_tok = ssm_tokenizers[i] if ssm_tokenizers else None
+            check_same_vocabulary(llm, ssm, i, tokenizer, ssm_tok)
+        if verification not in ("tree", "stairs"):
+            raise ValueError(f"verification must be 'tree' or 'stairs', got {verification!r}")
+        if verification == "stairs" and rule not in (None, Rule.GREEDY, "greedy"):
+            raise ValueError("verification='stairs' is greedy only; drop rule= or use verification='tree'")
+        self.llm = llm.eval()
+        self.ssms = [ssm.eval() for ssm in ssms]
+        self.tokenizer = tokenizer
+        self.speculator: Speculator = speculator or PoolSpeculator(self.ssms, shape)
+        self.verifier: Verifier = StairsVerifier() if verification == "stairs" else TreeVerifier(rule)
+        self.max_positions = context_length(llm)
+
+    # Settings ------------------------------------------------------------------------------------
+    def _settings(
+        self, generation_config: GenerationConfig | None, overrides: dict
+    ) -> tuple[SamplingConfig, int, frozenset[int], tuple[str, ...]]:
+        """Explicit arguments > `generation_config` > the LLM's generation_config > defaults."""
+        merged: dict = {}
+        for source in (self.llm.generation_config, generation_config):
+            if source is not None:
+                merged.update({k: v for k, v in source.to_dict().items() if v is not None})
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        sampling = SamplingConfig(
+            do_sample=bool(merged.get("do_sample", False)),
+            temperature=float(merged.get("temperature", 1.0)),
+            top_k=int(merged.get("top_k", 0)),
+            top_p=float(merged.get("top_p", 1.0)),
+        )
+        for unsupported in ("repetition_penalty", "num_beams", "min_p", "no_repeat_ngram_size"):
+            default = 1 if unsupported in ("repetition_penalty", "num_beams") else None
+            if merged.get(unsupported, default) not in (default, 0, 0.0):
+                raise ValueError(
+                    f"{unsupported}={merged[unsupported]!r} is not supported by SpeculativeDecoder"
+                )
+        max_new_tokens = merged.get("max_new_tokens")
+        if max_new_tokens is None:
+            raise ValueError("set max_new_tokens (the number of tokens to generate)")
+        eos = merged.get("eos_token_id")
+        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        stop = merged.get("stop_strings") or ()
+        stop_strings = (stop,) if isinstance(stop, str) else tuple(stop)
+        return sampling, int(max_new_tokens), eos_ids, stop_strings
+
+    def _prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] != 1:
+            raise NotImplementedError(
+                f"batched speculative decoding (batch size {input_ids.shape[0]}) is not implemented yet; "
+                "call generate once per sequence"
+            )
+        prompt = input_ids[0]
+        if attention_mask is not None:
+            prompt = prompt[attention_mask.reshape(-1).bool().to(prompt.device)]  # drop left padding
+        if prompt.numel() == 0:
+            raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+        if self.max_positions is not None and prompt.numel() >= self.max_positions:
+            raise ValueError(
+                f"the prompt has {prompt.numel()} tokens but the LLM's context holds {self.max_positions}; "
+                "shorten the prompt"
+            )
+        return prompt.tolist()
+
+    # Generation ----------------------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,  # [1, L]
+        attention_mask: torch.Tensor | None = None,  # [1, L]
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop_strings: str | list[str] | None = None,
+        generation_config: GenerationConfig | None = None,
+        seed: int | None = None,
+    ) -> SpeculativeOutput:
+        """Generate like `llm.generate`. Unset options come from `generation_config`, then from the
+        LLM's own generation_config. `seed` makes sampling reproducible."""
+        sampling, budget, eos_ids, stops = self._settings(
+            generation_config,
+            dict(
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_token_id=eos_token_id,
+                stop_strings=stop_strings,
+            ),
+        )
+        self.verifier.check(
+            self.speculator.tree_kind(sampling.do_sample), sampling.do_sample, self.speculator.num_ssms
+        )
+        prompt = self._prompt(input_ids, attention_mask)
+        stop = StopCriteria(budget, eos_ids, stops, self.tokenizer)
+        generator = None if seed is None else torch.Generator(self.llm.device).manual_seed(seed)
+        return self._decode(prompt, stop, LogitsToProbs(sampling), generator, seed)
+
+    def _decode(
+        self,
+        prompt: list[int],
+        stop: StopCriteria,
+        probs: LogitsToProbs,
+        generator: torch.Generator | None,
+        seed: int | None,
+    ) -> SpeculativeOutput:
+        start = time.perf_counter()
+        timer = PhaseTimer(self.llm.device)
+        stats = DecodeStats()
+        with timer.phase("other"):
+            self.speculator.reset(seed)
+            target = TargetState(self.llm, prompt)
+        while stop.finish_reason is None:
+            # 1. Draft a token tree (no deeper than the tokens still wanted or the context allows).
+            with timer.phase("draft"):
+                tree = self.speculator.propose(target.tokens, self._max_depth(target, stop), probs)
+            # 2. Verify it in one LLM pass; the LLM cache keeps prefix + accepted path.
+            with timer.phase("verify"):
+                verdict = self.verifier.verify(target, tree, probs, generator)
+            with timer.phase("other"):
+                # 3. Emit accepted tokens and the LLM's own token, up to the first stopping point.
+                emitted = [tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
+                target.append(stop.extend(emitted))
+                # 4. Feedback to the strategy, and statistics.
+                self.speculator.observe(tree, verdict.accepted)
+                _record_step(stats, tree, verdict.accepted)
+                if self.max_positions is not None and len(target.tokens) >= self.max_positions:
+                    stop.finish_reason = stop.finish_reason or "length"
+        stats.new_tokens = len(stop.generated)
+        stats.time_draft, stats.time_verify = timer.seconds["draft"], timer.seconds["verify"]
+        stats.time_other = timer.seconds["other"]
+        stats.time_total = time.perf_counter() - start
+        sequences = torch.tensor([target.tokens], dtype=torch.long, device=self.llm.device)
+        return SpeculativeOutput(sequences, stats, stop.finish_reason)
+
+    def _max_depth(self, target: TargetState, stop: StopCriteria) -> int:
+        """Drafting deeper than the tokens still wanted (one comes from the LLM) is wasted work,
+        and positions past the context do not exist."""
+        depth = stop.remaining - 1
+        if self.max_positions is not None:
+            depth = min(depth, self.max_positions - len(target.tokens))
+        return depth
+
+
+def _record_step(stats: DecodeStats, tree: TokenTree, accepted: list[int]) -> None:
+    stats.llm_steps += 1
+    stats.draft_tokens += tree.num_draft_tokens
+    stats.accepted_tokens += len(accepted)
+    stats.match_lengths.append(len(accepted))
+    for u in range(1, len(tree)):
+        for ssm in tree.ssms[u]:
+            stats.proposed_per_ssm[ssm] += 1
+    for u in accepted:
+        for ssm in tree.ssms[u]:
+            stats.accepted_per_ssm[ssm] += 1

@@ -1,0 +1,75 @@
+"""Decoding statistics, with the metric names of ALGORITHMS.md section 13."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    llm_steps: int = 0  # LLM verification passes
+    new_tokens: int = 0  # tokens emitted (accepted drafts + one LLM token per step, after stopping)
+    draft_tokens: int = 0  # drafted tree nodes sent to the LLM
+    accepted_tokens: int = 0  # drafted tokens the LLM accepted
+    proposed_per_ssm: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    accepted_per_ssm: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    match_lengths: list[int] = field(default_factory=list)  # accepted drafted tokens per step
+    time_draft: float = 0.0  # seconds
+    time_verify: float = 0.0
+    time_other: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per LLM verification pass (mean accepted length, bonus token included)."""
+        return self.new_tokens / self.llm_steps if self.llm_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_ssm(self) -> dict[int, float]:
+        return {
+            i: self.accepted_per_ssm[i] / n if n else 0.0 for i, n in sorted(self.proposed_per_ssm.items())
+        }
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["proposed_per_ssm"] = dict(self.proposed_per_ssm)
+        out["accepted_per_ssm"] = dict(self.accepted_per_ssm)
+        for name in ("tokens_per_step", "acceptance_rate", "acceptance_rate_per_ssm", "tokens_per_second"):
+            out[name] = getattr(self, name)
+        return out
+
+
+class PhaseTimer:
+    """Wall-clock time per phase of the decode loop; syncs CUDA so GPU work lands in its phase."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] += time.perf_counter() - start

@@ -1,0 +1,98 @@
+"""How the LLM checks a drafted tree: one tree-attention pass, or Stairs' batch of prefixes.
+
+A verifier runs the LLM, applies a verification rule, and leaves the LLM cache holding exactly
+the prefix, the old root and the accepted nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specboost.decoder.target import TargetState
+from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, RULES, Rule, Verdict, check_rule, verify_greedy
+from specboost.speculator.kv_cache import compact_cache
+from specboost.speculator.sampling import LogitsToProbs
+from specboost.speculator.tree import DraftKind, TokenTree
+
+
+class Verifier(Protocol):
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
+        """Raise ValueError if this verifier cannot verify such trees losslessly."""
+
+    def verify(
+        self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
+    ) -> Verdict: ...
+
+
+class TreeVerifier:
+    """The whole tree in ONE LLM forward pass with tree attention (ALGORITHMS.md sections 1-2)."""
+
+    def __init__(self, rule: Rule | str | None = None) -> None:
+        self.rule = None if rule is None else Rule(rule)
+
+    def rule_for(self, kind: DraftKind, do_sample: bool) -> Rule:
+        if self.rule is not None:
+            return self.rule
+        return DEFAULT_SAMPLING_RULE[kind] if do_sample else Rule.GREEDY
+
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
+        rule = self.rule_for(kind, do_sample)
+        check_rule(rule, kind, do_sample)
+        if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1:
+            raise ValueError(
+                "rule='without_replacement' needs all children of a node drawn from one q, "
+                "so it works with a single SSM; use rule='mss' or 'target' for a pool"
+            )
+
+    @torch.no_grad()
+    def verify(
+        self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
+    ) -> Verdict:
+        logits = target.tree_logits(tree)  # [N, V]
+        rule = self.rule_for(tree.kind, probs.config.do_sample)
+        if rule is Rule.GREEDY:
+            verdict = verify_greedy(tree, logits)
+        else:
+            verdict = RULES[rule](tree, probs(logits), generator)
+        target.keep_accepted(verdict.accepted)
+        return verdict
+
+
+class StairsVerifier:
+    """Stairs validation (ALGORITHMS.md section 12): the LLM runs a batch of d+1 growing prefixes
+    [S], [S, x1], ..., [S, x1..xd] and keeps x_i while it equals the previous row's argmax."""
+
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
+        if do_sample:
+            raise ValueError("verification='stairs' is a greedy baseline; use do_sample=False")
+        if kind is not DraftKind.GREEDY or num_ssms != 1:
+            raise ValueError(
+                "verification='stairs' validates one greedy chain: use a single SSM with ChainShape"
+            )
+
+    @torch.no_grad()
+    def verify(
+        self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
+    ) -> Verdict:
+        chain = tree.tokens  # root, x1..xd (a chain: node i is at depth i)
+        rows = len(chain)
+        p, llm = target.prefix_length, target.llm
+        input_ids = torch.zeros(rows, rows, dtype=torch.long, device=llm.device)  # [d+1, d+1], right-padded
+        mask = torch.zeros(rows, p + rows, dtype=torch.long, device=llm.device)
+        mask[:, :p] = 1
+        for i in range(rows):
+            input_ids[i, : i + 1] = torch.tensor(chain[: i + 1])
+            mask[i, p : p + i + 1] = 1
+        target.cache.batch_repeat_interleave(rows)
+        logits = llm(
+            input_ids=input_ids, attention_mask=mask, past_key_values=target.cache, use_cache=True
+        ).logits
+        choices = logits[torch.arange(rows), torch.arange(rows)].argmax(-1).tolist()  # row i: after x1..xi
+        target.cache.batch_select_indices(torch.tensor([rows - 1], device=llm.device))
+        accepted = 0
+        while accepted < rows - 1 and chain[accepted + 1] == choices[accepted]:
+            accepted += 1
+        compact_cache(target.cache, list(range(p + 1 + accepted)))
+        return Verdict(list(range(1, accepted + 1)), choices[accepted])

@@ -1,0 +1,159 @@
+"""Verification rules: which drafted tokens the LLM accepts (ALGORITHMS.md section 2).
+
+Notation, as in ALGORITHMS.md: p = the LLM's (target) distribution at a node after logits
+processing, q = the distribution an SSM (draft) token was sampled from, R = the residual.
+Every rule walks down from the root; at each node it accepts one child and continues, or
+stops and emits one token of its own (correction or bonus), so one LLM pass always yields at
+least one new token. Each rule is lossless only for trees drafted in a matching way
+(`RULE_TREE_KINDS`); the decoder refuses other combinations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from specboost.speculator.tree import DraftKind, TokenTree
+
+
+class Rule(str, Enum):
+    GREEDY = "greedy"
+    MSS = "mss"  # multi-step speculative sampling (SpecInfer)
+    WITHOUT_REPLACEMENT = "without_replacement"  # Sequoia
+    TARGET = "target"  # sample from p, accept the equal child
+
+
+ALL_KINDS = frozenset(DraftKind)
+RULE_TREE_KINDS: dict[Rule, frozenset[DraftKind]] = {
+    Rule.GREEDY: ALL_KINDS,
+    Rule.TARGET: ALL_KINDS,
+    Rule.MSS: frozenset({DraftKind.SAMPLED}),
+    Rule.WITHOUT_REPLACEMENT: frozenset({DraftKind.SAMPLED_WITHOUT_REPLACEMENT}),
+}
+# The rule used when the user leaves it to us, per tree kind, under do_sample=True.
+DEFAULT_SAMPLING_RULE: dict[DraftKind, Rule] = {
+    DraftKind.SAMPLED: Rule.MSS,
+    DraftKind.SAMPLED_WITHOUT_REPLACEMENT: Rule.WITHOUT_REPLACEMENT,
+    DraftKind.BEAM: Rule.TARGET,
+    DraftKind.TOP_K: Rule.TARGET,
+    DraftKind.GREEDY: Rule.TARGET,
+}
+
+
+def check_rule(rule: Rule, kind: DraftKind, do_sample: bool) -> None:
+    """Raise a ValueError that says what to change if `rule` is not lossless for `kind` trees."""
+    if rule is Rule.GREEDY and do_sample:
+        raise ValueError(
+            "rule='greedy' verifies greedy decoding; with do_sample=True use 'mss', "
+            "'without_replacement' or 'target' (or leave rule=None)"
+        )
+    if rule is not Rule.GREEDY and not do_sample:
+        raise ValueError(f"rule={rule.value!r} is a sampling rule; set do_sample=True or use rule='greedy'")
+    if kind not in RULE_TREE_KINDS[rule]:
+        allowed = sorted(k.value for k in RULE_TREE_KINDS[rule])
+        raise ValueError(
+            f"rule={rule.value!r} is only lossless on trees drafted as {allowed}, but these SSMs draft "
+            f"{kind.value!r} trees; use rule='target' (lossless for any tree) or change the draft shape"
+        )
+
+
+@dataclass
+class Verdict:
+    accepted: list[int]  # accepted tree nodes, root excluded, root->leaf order
+    next_token: int  # the LLM's own token after the accepted path (correction or bonus)
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / x.sum()
+
+
+def _residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """R <- norm(max(R - q, 0)); keeps R if the difference vanishes (then q == R and x was accepted)."""
+    diff = torch.clamp(r - q, min=0)
+    total = diff.sum()
+    return diff / total if total > 0 else r
+
+
+def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
+    return float(torch.rand((), generator=generator, device=device))
+
+
+def verify_greedy(tree: TokenTree, logits: torch.Tensor, **_) -> Verdict:
+    """Accept the child equal to argmax p: reproduces the LLM's greedy decoding exactly."""
+    choices = logits.argmax(dim=-1).tolist()  # [N]
+    return _walk(tree, lambda node: choices[node])
+
+
+def verify_target(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """Sample y ~ p and accept the child equal to y; lossless for any tree."""
+    return _walk(tree, lambda node: int(torch.multinomial(p[node], 1, generator=generator)))
+
+
+def _walk(tree: TokenTree, choose: Callable[[int], int]) -> Verdict:
+    node, accepted = 0, []
+    while True:
+        token = choose(node)
+        child = tree.child_with_token(node, token)
+        if child is None:
+            return Verdict(accepted, token)
+        accepted.append(child)
+        node = child
+
+
+def verify_mss(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """Multi-step speculative sampling (SpecInfer; Sequoia appendix Alg. 3)."""
+    node, accepted = 0, []
+    while True:
+        r = p[node]
+        proposals = [(child, prop) for child in tree.children[node] for prop in tree.proposals[child]]
+        proposals.sort(key=lambda cp: cp[1].ssm)  # a fixed order, independent of the random draws
+        chosen = None
+        for child, prop in proposals:
+            x = tree.tokens[child]
+            if _uniform(generator, p.device) * prop.q[x] < r[x]:  # r < R(x) / q(x)
+                chosen = child
+                break
+            r = _residual(r, prop.q)
+        if chosen is None:
+            return Verdict(accepted, int(torch.multinomial(r, 1, generator=generator)))
+        accepted.append(chosen)
+        node = chosen
+
+
+def verify_without_replacement(
+    tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None
+) -> Verdict:
+    """Sequoia's sampling without replacement (Alg. 1): children were drawn from one q without
+    replacement, in index order."""
+    node, accepted = 0, []
+    while True:
+        r = p[node]
+        children = tree.children[node]
+        d = tree.proposals[children[0]][0].q.clone() if children else None
+        rejected = torch.zeros_like(r, dtype=torch.bool)
+        chosen = None
+        for child in children:
+            x = tree.tokens[child]
+            if _uniform(generator, p.device) * d[x] < r[x]:  # r < R(x) / D(x)
+                chosen = child
+                break
+            r = _residual(r, d)
+            rejected[x] = True
+            d[x] = 0
+            if d.sum() <= 0:
+                d = (~rejected).to(r.dtype)
+            d = _normalize(d)
+        if chosen is None:
+            return Verdict(accepted, int(torch.multinomial(r, 1, generator=generator)))
+        accepted.append(chosen)
+        node = chosen
+
+
+RULES = {
+    Rule.MSS: verify_mss,
+    Rule.WITHOUT_REPLACEMENT: verify_without_replacement,
+    Rule.TARGET: verify_target,
+}

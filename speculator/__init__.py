@@ -1,0 +1,20 @@
+"""Token trees, tree attention and SSM drafting."""
+
+from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
+from specboost.speculator.speculation import PoolSpeculator, Speculator
+from specboost.speculator.tree import DraftKind, Proposal, TokenTree, merge_trees
+
+__all__ = [
+    "BeamShape",
+    "ChainShape",
+    "DraftKind",
+    "DraftShape",
+    "PoolSpeculator",
+    "Proposal",
+    "SSMDrafter",
+    "Speculator",
+    "TokenTree",
+    "TopologyShape",
+    "merge_trees",
+]

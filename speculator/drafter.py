@@ -1,0 +1,162 @@
+"""One SSM that drafts token trees over the verified prefix (ALGORITHMS.md section 3).
+
+The drafter owns the SSM's KV cache and keeps it synced to the verified prefix: after a
+verification it keeps the K/V of the accepted tokens it drafted itself (compaction, as the LLM
+does) and feeds only the tokens it has not seen (at least the LLM's correction or bonus token).
+Trees are expanded level by level, each level in one SSM forward pass with tree attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from specboost.speculator.kv_cache import compact_cache, new_cache
+from specboost.speculator.sampling import LogitsToProbs
+from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
+from specboost.speculator.tree import TokenTree
+from specboost.speculator.tree_attention import causal_forward, tree_forward
+
+
+class SSMDrafter:
+    """Drafts with SSM number `index` of a pool; `index` is what tree nodes record as proposer."""
+
+    def __init__(self, model: PreTrainedModel, index: int) -> None:
+        self.model = model
+        self.index = index
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = new_cache()
+        self.cached_tokens: list[int] = []  # verified tokens at cache positions 0..n-1
+        self._expansion = TokenTree.root_only(-1)  # every node drafted last step (root = last verified)
+        self._fed = 0  # expansion nodes 1.._fed have K/V in the cache, after the verified tokens
+
+    @torch.no_grad()
+    def draft(
+        self,
+        verified: list[int],
+        shape: DraftShape,
+        probs: LogitsToProbs,
+        max_depth: int,
+        generator: torch.Generator | None = None,
+    ) -> TokenTree:
+        """Draft a tree of `shape` (no deeper than `max_depth`) after `verified` (prompt + accepted)."""
+        root_logits = self._sync(verified)
+        kind = shape.kind(probs.config.do_sample)
+        self._expansion = TokenTree.root_only(verified[-1], kind)
+        self._fed = 0
+        if max_depth < 1:
+            return self._expansion
+        if isinstance(shape, ChainShape):
+            return self._draft_chain(root_logits, min(shape.length, max_depth), probs, generator)
+        if isinstance(shape, BeamShape):
+            return self._draft_beam(root_logits, shape.width, min(shape.depth, max_depth))
+        if isinstance(shape, TopologyShape):
+            return self._draft_topology(root_logits, shape, max_depth, probs, generator)
+        raise TypeError(f"unknown draft shape {shape!r}")
+
+    # 1. Cache sync -------------------------------------------------------------------------
+    def _sync(self, verified: list[int]) -> torch.Tensor:
+        """Bring the cache to exactly `verified`; return the SSM's logits after it ([V])."""
+        n = len(self.cached_tokens)
+        if verified[:n] == self.cached_tokens:
+            keep = list(range(n))
+            node = 0
+            for token in verified[n:]:
+                child = self._expansion.child_with_token(node, token)
+                if child is None or child > self._fed:
+                    break
+                keep.append(n + child - 1)
+                node = child
+        else:
+            common = 0
+            while common < min(n, len(verified)) and verified[common] == self.cached_tokens[common]:
+                common += 1
+            keep = list(range(common))
+        if len(keep) == len(verified):  # the SSM has seen everything: recompute the last position
+            keep.pop()
+        compact_cache(self.cache, keep)
+        self.cached_tokens = list(verified)
+        return causal_forward(self.model, self.cache, verified[len(keep) :]).logits[-1]
+
+    # 2. Drafting modes ----------------------------------------------------------------------
+    def _expand(self, nodes: range) -> torch.Tensor:
+        """Feed expansion nodes `nodes` (one level) in one pass; returns their logits [len, V]."""
+        prefix = len(self.cached_tokens)
+        logits = tree_forward(
+            self.model, self.cache, self._expansion, nodes, prefix, first_cached_node=1
+        ).logits
+        self._fed = nodes.stop - 1
+        return logits
+
+    def _draft_chain(
+        self, logits: torch.Tensor, length: int, probs: LogitsToProbs, generator: torch.Generator | None
+    ) -> TokenTree:
+        tree, node = self._expansion, 0
+        for step in range(length):
+            if step > 0:
+                logits = self._expand(range(node, node + 1))[0]
+            if probs.config.do_sample:
+                q = probs(logits[None])[0]
+                token = int(torch.multinomial(q, 1, generator=generator))
+            else:
+                q, token = None, int(logits.argmax())
+            node = tree.add_child(node, token, self.index, q)
+        return tree
+
+    def _draft_beam(self, logits: torch.Tensor, width: int, depth: int) -> TokenTree:
+        """SpecInfer beam search; returns the merge of the final beams (kind BEAM)."""
+        tree = self._expansion
+        beams, scores = [0], torch.zeros(1, dtype=torch.float64)
+        level_logits = logits[None]  # [beams, V]
+        for level in range(depth):
+            if level > 0:
+                level_logits = self._expand(range(beams[0], beams[-1] + 1))
+            logp = torch.log_softmax(level_logits.double(), dim=-1) + scores[:, None]  # [beams, V]
+            top = torch.topk(logp.flatten(), min(width, logp.numel()))
+            vocab = logp.shape[1]
+            new_beams = []
+            for flat in top.indices.tolist():
+                new_beams.append(tree.insert(beams[flat // vocab], flat % vocab))
+            beams, scores = new_beams, top.values
+        result = TokenTree.root_only(tree.tokens[0], tree.kind)
+        for leaf in beams:
+            result.add_sequence([tree.tokens[v] for v in tree.path_to(leaf)], self.index)
+        return result
+
+    def _draft_topology(
+        self,
+        logits: torch.Tensor,
+        shape: TopologyShape,
+        max_depth: int,
+        probs: LogitsToProbs,
+        generator: torch.Generator | None,
+    ) -> TokenTree:
+        """Fill a fixed topology: top-k children, or children sampled without replacement from q."""
+        tree, shape_children = self._expansion, shape.children()
+        frontier = [(0, 0)]  # (topology node, tree node)
+        level_logits = logits[None]
+        while frontier and tree.depths[frontier[0][1]] < max_depth:
+            if frontier[0][1] > 0:
+                level_logits = self._expand(range(frontier[0][1], frontier[-1][1] + 1))
+            next_frontier = []
+            for (shape_node, node), node_logits in zip(frontier, level_logits, strict=True):
+                wanted = shape_children[shape_node]
+                if not wanted:
+                    continue
+                tokens, q = self._children(node_logits, len(wanted), probs, generator)
+                for shape_child, token in zip(wanted, tokens, strict=False):
+                    next_frontier.append((shape_child, tree.add_child(node, token, self.index, q)))
+            frontier = next_frontier
+        return tree
+
+    @staticmethod
+    def _children(
+        logits: torch.Tensor, k: int, probs: LogitsToProbs, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        if not probs.config.do_sample:
+            return torch.topk(logits, min(k, logits.numel())).indices.tolist(), None
+        q = probs(logits[None])[0]
+        k = min(k, int((q > 0).sum()))
+        return torch.multinomial(q, k, replacement=False, generator=generator).tolist(), q

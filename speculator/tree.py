@@ -1,0 +1,150 @@
+"""Token trees and the SpecInfer tree merge (ALGORITHMS.md section 1).
+
+A `TokenTree` holds candidate continuations of one verified prefix. Node 0 is the root: the
+last verified token, which the LLM has not yet consumed. Every other node u carries a token,
+a parent index (always smaller than u, so index order is a topological order) and a depth
+(root = 0). Each node also records which SSMs proposed it and, for stochastic verification,
+every proposal that reached it with the draft distribution q it was drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class DraftKind(str, Enum):
+    """How the children of every node were produced; decides which verification rules are lossless."""
+
+    GREEDY = "greedy"  # argmax chains
+    BEAM = "beam"  # beam search (SpecInfer)
+    TOP_K = "top_k"  # fixed topology filled with top-k children
+    SAMPLED = "sampled"  # children drawn i.i.d. (with replacement) from the recorded q
+    SAMPLED_WITHOUT_REPLACEMENT = "sampled_without_replacement"  # one q per node, drawn w/o replacement
+
+
+@dataclass
+class Proposal:
+    """One SSM's proposal of a child token, with the distribution it was sampled from (or None)."""
+
+    ssm: int
+    q: torch.Tensor | None  # [V] draft distribution at the parent, after logits processing
+
+
+@dataclass
+class TokenTree:
+    """A token tree over one prefix; parents precede children in index order."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    kind: DraftKind
+    ssms: list[set[int]] = field(default_factory=list)  # per node: SSMs whose sequence passes through it
+    proposals: list[list[Proposal]] = field(default_factory=list)  # per node: proposals that reached it
+    children: list[list[int]] = field(default_factory=list)  # per node: child indices, in insertion order
+
+    @classmethod
+    def root_only(cls, root_token: int, kind: DraftKind = DraftKind.GREEDY) -> TokenTree:
+        return cls([root_token], [-1], [0], kind, [set()], [[]], [[]])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafted nodes (everything but the root)."""
+        return len(self.tokens) - 1
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def child_with_token(self, node: int, token: int) -> int | None:
+        for child in self.children[node]:
+            if self.tokens[child] == token:
+                return child
+        return None
+
+    def insert(self, parent: int, token: int) -> int:
+        """Trie insert of `token` under `parent`: an existing equal child is reused. Returns its index."""
+        child = self.child_with_token(parent, token)
+        if child is None:
+            child = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.ssms.append(set())
+            self.proposals.append([])
+            self.children.append([])
+            self.children[parent].append(child)
+        return child
+
+    def add_child(self, parent: int, token: int, ssm: int, q: torch.Tensor | None = None) -> int:
+        """Insert `token` under `parent` and record SSM `ssm`'s proposal of it."""
+        child = self.insert(parent, token)
+        self.ssms[child].add(ssm)
+        self.ssms[parent].add(ssm)
+        self.proposals[child].append(Proposal(ssm, q))
+        return child
+
+    def add_sequence(self, tokens: list[int], ssm: int, qs: list[torch.Tensor] | None = None) -> list[int]:
+        """Insert one drafted sequence below the root; returns the node index of each token."""
+        node, path = 0, []
+        for i, token in enumerate(tokens):
+            node = self.add_child(node, token, ssm, None if qs is None else qs[i])
+            path.append(node)
+        return path
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the first drafted node down to `node` (root excluded)."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestor_matrix(self) -> torch.Tensor:
+        """[N, N] bool: entry (u, v) is True iff v is u or an ancestor of u."""
+        n = len(self.tokens)
+        mat = torch.zeros(n, n, dtype=torch.bool)
+        for u, parent in enumerate(self.parents):
+            if parent >= 0:
+                mat[u] = mat[parent]
+            mat[u, u] = True
+        return mat
+
+    def topological_order(self) -> list[int]:
+        """Parents before children. Index order already is one; checked here as an invariant."""
+        assert all(p < u for u, p in enumerate(self.parents) if u > 0), "parents must precede children"
+        return list(range(len(self.tokens)))
+
+    def sequences(self) -> list[list[int]]:
+        """The root-to-leaf token sequences (root excluded)."""
+        leaves = [u for u in range(1, len(self)) if not self.children[u]]
+        return [[self.tokens[v] for v in self.path_to(leaf)] for leaf in leaves]
+
+
+def merge_trees(trees: list[TokenTree]) -> TokenTree:
+    """SpecInfer tree merge (ALGORITHMS.md section 1, Def. 4.1): one trie holding every sequence of
+    every input tree, keeping per node the proposing SSMs and every proposal with its q."""
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    root = trees[0].tokens[0]
+    if any(t.tokens[0] != root for t in trees):
+        raise ValueError("trees to merge must share the same root token")
+    kinds = {t.kind for t in trees}
+    if len(kinds) > 1:
+        raise ValueError(f"cannot merge trees drafted in different ways: {sorted(k.value for k in kinds)}")
+    merged = TokenTree.root_only(root, trees[0].kind)
+    for tree in trees:
+        mapping = {0: 0}
+        for u in range(1, len(tree)):
+            parent = mapping[tree.parents[u]]
+            child = merged.insert(parent, tree.tokens[u])
+            merged.proposals[child].extend(tree.proposals[u])
+            merged.ssms[child] |= tree.ssms[u]
+            merged.ssms[parent] |= tree.ssms[u]
+            mapping[u] = child
+    return merged

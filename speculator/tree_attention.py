@@ -1,0 +1,97 @@
+"""Tree attention (ALGORITHMS.md section 1): position ids, the 4D mask, and one forward pass.
+
+All nodes of a tree are fed to a model in ONE forward pass, in topological order, with
+position id `past_length + depth(u)` and an additive 4D mask in which node u sees every
+cached position, itself and its ancestors, and nothing else. The logits at node u are then
+the model's next-token distribution after the path root->u.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from specboost.speculator.tree import TokenTree
+
+
+def tree_position_ids(depths: list[int], offset: int, device: torch.device | None = None) -> torch.Tensor:
+    """[1, N] position ids `offset + depth(u)`."""
+    return (torch.tensor(depths, dtype=torch.long, device=device) + offset).unsqueeze(0)
+
+
+def tree_attention_mask(
+    ancestors: torch.Tensor,
+    prefix_length: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """[1, 1, Q, prefix_length + K] additive mask from `ancestors` [Q, K] (bool, query node x cached
+    or new tree node): every query sees the whole prefix and the tree nodes marked in its row."""
+    q = ancestors.shape[0]
+    allowed = torch.ones(q, prefix_length + ancestors.shape[1], dtype=torch.bool, device=device)
+    allowed[:, prefix_length:] = ancestors.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, V]
+    hidden: torch.Tensor | None  # [N, H] last-layer hidden states, when asked for
+
+
+def _forward(
+    model: PreTrainedModel, cache: Cache, tokens: list[int], output_hidden: bool, **kwargs
+) -> ForwardOutput:
+    input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, N]
+    out = model(
+        input_ids=input_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=output_hidden,
+        **kwargs,
+    )
+    hidden = out.hidden_states[-1][0] if output_hidden else None
+    return ForwardOutput(logits=out.logits[0], hidden=hidden)
+
+
+def causal_forward(
+    model: PreTrainedModel, cache: Cache, tokens: list[int], output_hidden: bool = False
+) -> ForwardOutput:
+    """Append a plain chain of tokens to the cached prefix (ordinary causal attention)."""
+    return _forward(model, cache, tokens, output_hidden)
+
+
+def tree_forward(
+    model: PreTrainedModel,
+    cache: Cache,
+    tree: TokenTree,
+    nodes: range,
+    prefix_length: int,
+    first_cached_node: int = 0,
+    output_hidden: bool = False,
+) -> ForwardOutput:
+    """Feed the tree nodes `nodes` to `model` in ONE pass with tree attention.
+
+    The cache holds `prefix_length` prefix positions followed by tree nodes
+    `first_cached_node .. nodes.start - 1` in index order; the new nodes' K/V are appended in
+    index order. Node u gets position id `prefix_length + depth(u) - depth(first_cached_node)`.
+    The LLM verifies a whole tree with its root as node 0 (`first_cached_node=0`); an SSM whose
+    cache already holds the root expands its tree level by level (`first_cached_node=1`).
+    """
+    device = model.device
+    assert cache.get_seq_length() == prefix_length + nodes.start - first_cached_node, "cache out of sync"
+    ancestors = tree.ancestor_matrix()[nodes.start : nodes.stop, first_cached_node : nodes.stop]
+    depths = tree.depths[nodes.start : nodes.stop]
+    offset = prefix_length - tree.depths[first_cached_node]
+    return _forward(
+        model,
+        cache,
+        tree.tokens[nodes.start : nodes.stop],
+        output_hidden,
+        attention_mask=tree_attention_mask(ancestors, prefix_length, model.dtype, device),
+        position_ids=tree_position_ids(depths, offset, device),
+    )

@@ -1,0 +1,1 @@
+"""Training side: distillation data, collective boost-tuning, export (see the issues)."""
