@@ -1,0 +1,70 @@
+"""Shared fixtures: deterministic seeds and tiny random models built from configs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PreTrainedModel,
+)
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+def tiny_llama(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=eos,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(config).double().eval()
+
+
+def tiny_gpt2(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=eos
+    )
+    return GPT2LMHeadModel(config).double().eval()
+
+
+def tiny_opt(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = OPTConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32,
+        bos_token_id=0,
+        eos_token_id=eos,
+        pad_token_id=1,
+    )
+    return OPTForCausalLM(config).double().eval()
+
+
+ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "opt": tiny_opt}
