@@ -45,7 +45,13 @@ def tiny_llama(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | No
 def tiny_gpt2(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> PreTrainedModel:
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=eos
+        vocab_size=vocab,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=eos,
     )
     return GPT2LMHeadModel(config).double().eval()
 
