@@ -5,6 +5,10 @@ from __future__ import annotations
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from specboost.speculator.model_info import context_length, output_vocab_size
+
+__all__ = ["check_causal_lm", "check_same_vocabulary", "context_length", "model_name", "output_vocab_size"]
+
 _CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
@@ -21,10 +25,6 @@ def check_causal_lm(model: object, role: str) -> None:
             f"the {role} {model_name(model)} is not a causal language model; load it with "
             "AutoModelForCausalLM.from_pretrained(...)"
         )
-
-
-def output_vocab_size(model: PreTrainedModel) -> int:
-    return model.get_output_embeddings().weight.shape[0]
 
 
 def check_same_vocabulary(
@@ -50,13 +50,3 @@ def check_same_vocabulary(
             f"tokenizer mismatch: SSM {index} {model_name(ssm)} uses a tokenizer whose vocabulary differs "
             f"from the LLM {model_name(llm)}'s; every SSM must use the LLM's tokenizer"
         )
-
-
-def context_length(model: PreTrainedModel) -> int | None:
-    """The model's maximum number of positions, where its config states one."""
-    config = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.kv_cache import compact_cache, new_cache
+from specboost.speculator.model_info import context_length
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 from specboost.speculator.tree import TokenTree
@@ -24,6 +25,7 @@ class SSMDrafter:
     def __init__(self, model: PreTrainedModel, index: int) -> None:
         self.model = model
         self.index = index
+        self.max_positions = context_length(model)
         self.reset()
 
     def reset(self) -> None:
@@ -41,13 +43,16 @@ class SSMDrafter:
         max_depth: int,
         generator: torch.Generator | None = None,
     ) -> TokenTree:
-        """Draft a tree of `shape` (no deeper than `max_depth`) after `verified` (prompt + accepted)."""
-        root_logits = self._sync(verified)
-        kind = shape.kind(probs.config.do_sample)
-        self._expansion = TokenTree.root_only(verified[-1], kind)
-        self._fed = 0
+        """Draft a tree of `shape` (no deeper than `max_depth`) after `verified` (prompt + accepted).
+
+        Past the end of the SSM's own context it drafts nothing (a root-only tree)."""
+        if self.max_positions is not None:
+            max_depth = min(max_depth, self.max_positions - len(verified))
         if max_depth < 1:
-            return self._expansion
+            return TokenTree.root_only(verified[-1], shape.kind(probs.config.do_sample))
+        root_logits = self._sync(verified)
+        self._expansion = TokenTree.root_only(verified[-1], shape.kind(probs.config.do_sample))
+        self._fed = 0
         if isinstance(shape, ChainShape):
             return self._draft_chain(root_logits, min(shape.length, max_depth), probs, generator)
         if isinstance(shape, BeamShape):
