@@ -126,7 +126,7 @@ class SpeculativeDecoder:
             prompt = prompt[attention_mask.reshape(-1).bool().to(prompt.device)]  # drop left padding
         if prompt.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
-        if self.max_positions is not None and prompt.numel() >= self.max_positions:
+        if self.max_positions is not None and prompt.numel() > self.max_positions:
             raise ValueError(
                 f"the prompt has {prompt.numel()} tokens but the LLM's context holds {self.max_positions}; "
                 "shorten the prompt"
@@ -198,7 +198,7 @@ class SpeculativeDecoder:
                 # 4. Feedback to the strategy, and statistics.
                 self.speculator.observe(tree, verdict.accepted)
                 _record_step(stats, tree, verdict.accepted)
-                if self.max_positions is not None and len(target.tokens) >= self.max_positions:
+                if self.max_positions is not None and len(target.tokens) > self.max_positions:
                     stop.finish_reason = stop.finish_reason or "length"
         stats.new_tokens = len(stop.generated)
         stats.time_draft, stats.time_verify = timer.seconds["draft"], timer.seconds["verify"]
@@ -209,7 +209,7 @@ class SpeculativeDecoder:
 
     def _max_depth(self, target: TargetState, stop: StopCriteria) -> int:
         """Drafting deeper than the tokens still wanted (one comes from the LLM) is wasted work,
-        and positions past the context do not exist."""
+        and positions past the context do not exist (the root sits at position len - 1)."""
         depth = stop.remaining - 1
         if self.max_positions is not None:
             depth = min(depth, self.max_positions - len(target.tokens))
