@@ -9,7 +9,7 @@ every proposal that reached it with the draft distribution q it was drawn from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 import torch
@@ -148,3 +148,39 @@ def merge_trees(trees: list[TokenTree]) -> TokenTree:
             merged.ssms[parent] |= tree.ssms[u]
             mapping[u] = child
     return merged
+
+
+@dataclass
+class TreeBatch:
+    """Trees of a batch as padded tensors, one row per sequence (padding nodes have `valid=False`,
+    parent -1 and depth 0, and see only themselves in `ancestors`)."""
+
+    tokens: torch.Tensor  # [B, N] long
+    parents: torch.Tensor  # [B, N] long, -1 for roots and padding
+    depths: torch.Tensor  # [B, N] long
+    valid: torch.Tensor  # [B, N] bool
+    ancestors: torch.Tensor  # [B, N, N] bool, (b, u, v): v is u or an ancestor of u
+
+    @classmethod
+    def pack(cls, trees: list[TokenTree], pad_token: int = 0) -> TreeBatch:
+        if not trees:
+            raise ValueError("TreeBatch.pack needs at least one tree")
+        b, n = len(trees), max(len(t) for t in trees)
+        batch = cls(
+            tokens=torch.full((b, n), pad_token, dtype=torch.long),
+            parents=torch.full((b, n), -1, dtype=torch.long),
+            depths=torch.zeros(b, n, dtype=torch.long),
+            valid=torch.zeros(b, n, dtype=torch.bool),
+            ancestors=torch.eye(n, dtype=torch.bool).repeat(b, 1, 1),
+        )
+        for i, tree in enumerate(trees):
+            size = len(tree)
+            batch.tokens[i, :size] = torch.tensor(tree.tokens)
+            batch.parents[i, :size] = torch.tensor(tree.parents)
+            batch.depths[i, :size] = torch.tensor(tree.depths)
+            batch.valid[i, :size] = True
+            batch.ancestors[i, :size, :size] = tree.ancestor_matrix()
+        return batch
+
+    def to(self, device: torch.device | str) -> TreeBatch:
+        return TreeBatch(*(getattr(self, f.name).to(device) for f in fields(self)))

@@ -13,28 +13,23 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
-from specboost.speculator.tree import TokenTree
+from specboost.speculator.tree import TokenTree, TreeBatch
 
 
-def tree_position_ids(depths: list[int], offset: int, device: torch.device | None = None) -> torch.Tensor:
-    """[1, N] position ids `offset + depth(u)`."""
-    return (torch.tensor(depths, dtype=torch.long, device=device) + offset).unsqueeze(0)
+def tree_position_ids(depths: torch.Tensor, offset: int) -> torch.Tensor:
+    """[B, N] position ids `offset + depth(u)` from depths [B, N]."""
+    return depths + offset
 
 
-def tree_attention_mask(
-    ancestors: torch.Tensor,
-    prefix_length: int,
-    dtype: torch.dtype,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """[1, 1, Q, prefix_length + K] additive mask from `ancestors` [Q, K] (bool, query node x cached
-    or new tree node): every query sees the whole prefix and the tree nodes marked in its row."""
-    q = ancestors.shape[0]
-    allowed = torch.ones(q, prefix_length + ancestors.shape[1], dtype=torch.bool, device=device)
-    allowed[:, prefix_length:] = ancestors.to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+def tree_attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, Q, prefix_length + K] additive mask from `ancestors` [B, Q, K] (bool, query node x
+    tree node): every query sees the whole prefix and the tree nodes marked in its row."""
+    b, q, k = ancestors.shape
+    allowed = torch.ones(b, q, prefix_length + k, dtype=torch.bool, device=ancestors.device)
+    allowed[:, :, prefix_length:] = ancestors
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=ancestors.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask[:, None]
 
 
 @dataclass
@@ -44,16 +39,10 @@ class ForwardOutput:
 
 
 def _forward(
-    model: PreTrainedModel, cache: Cache, tokens: list[int], output_hidden: bool, **kwargs
+    model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, output_hidden: bool, **kwargs
 ) -> ForwardOutput:
-    input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, N]
-    out = model(
-        input_ids=input_ids,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=output_hidden,
-        **kwargs,
-    )
+    kwargs.update(past_key_values=cache, use_cache=True, output_hidden_states=output_hidden)
+    out = model(input_ids=input_ids, **kwargs)
     hidden = out.hidden_states[-1][0] if output_hidden else None
     return ForwardOutput(logits=out.logits[0], hidden=hidden)
 
@@ -62,7 +51,8 @@ def causal_forward(
     model: PreTrainedModel, cache: Cache, tokens: list[int], output_hidden: bool = False
 ) -> ForwardOutput:
     """Append a plain chain of tokens to the cached prefix (ordinary causal attention)."""
-    return _forward(model, cache, tokens, output_hidden)
+    input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, N]
+    return _forward(model, cache, input_ids, output_hidden)
 
 
 def tree_forward(
@@ -82,16 +72,17 @@ def tree_forward(
     The LLM verifies a whole tree with its root as node 0 (`first_cached_node=0`); an SSM whose
     cache already holds the root expands its tree level by level (`first_cached_node=1`).
     """
-    device = model.device
     assert cache.get_seq_length() == prefix_length + nodes.start - first_cached_node, "cache out of sync"
-    ancestors = tree.ancestor_matrix()[nodes.start : nodes.stop, first_cached_node : nodes.stop]
-    depths = tree.depths[nodes.start : nodes.stop]
+    batch = TreeBatch.pack([tree]).to(model.device)
+    new = slice(nodes.start, nodes.stop)
     offset = prefix_length - tree.depths[first_cached_node]
     return _forward(
         model,
         cache,
-        tree.tokens[nodes.start : nodes.stop],
+        batch.tokens[:, new],
         output_hidden,
-        attention_mask=tree_attention_mask(ancestors, prefix_length, model.dtype, device),
-        position_ids=tree_position_ids(depths, offset, device),
+        attention_mask=tree_attention_mask(
+            batch.ancestors[:, new, first_cached_node : nodes.stop], prefix_length, model.dtype
+        ),
+        position_ids=tree_position_ids(batch.depths[:, new], offset),
     )
