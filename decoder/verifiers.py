@@ -43,7 +43,8 @@ class TreeVerifier:
         if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1:
             raise ValueError(
                 "rule='without_replacement' needs all children of a node drawn from one q, "
-                "so it works with a single SSM; use rule='mss' or 'target' for a pool"
+                "so it works with a single SSM; use rule='target' for a pool (rule='mss' needs chains "
+                "sampled with replacement, i.e. ChainShape)"
             )
 
     @torch.no_grad()

@@ -19,6 +19,12 @@ from transformers import (
 VOCAB = 64
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> None:
+    """Tiny models gain nothing from intra-op threads, and extra threads thrash a loaded machine."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     random.seed(0)
