@@ -19,7 +19,8 @@ from specboost.speculator.tree import DraftKind, TokenTree
 
 class Verifier(Protocol):
     def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
-        """Raise ValueError if this verifier cannot verify such trees losslessly."""
+        """Called before each `generate`: fix the rule for these trees, or raise a ValueError if
+        this verifier cannot verify them losslessly."""
 
     def verify(
         self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
@@ -31,14 +32,20 @@ class TreeVerifier:
 
     def __init__(self, rule: Rule | str | None = None) -> None:
         self.rule = None if rule is None else Rule(rule)
+        self.active_rule = self.rule or Rule.GREEDY  # the rule `verify` applies, fixed by `check`
 
-    def rule_for(self, kind: DraftKind, do_sample: bool) -> Rule:
+    def rule_for(self, kind: DraftKind, do_sample: bool, num_ssms: int = 1) -> Rule:
+        """The user's rule, else greedy, else the default lossless rule for the tree kind; a pool
+        drafting without replacement has one q per SSM at a node, which only 'target' handles."""
         if self.rule is not None:
             return self.rule
-        return DEFAULT_SAMPLING_RULE[kind] if do_sample else Rule.GREEDY
+        if not do_sample:
+            return Rule.GREEDY
+        rule = DEFAULT_SAMPLING_RULE[kind]
+        return Rule.TARGET if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1 else rule
 
     def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
-        rule = self.rule_for(kind, do_sample)
+        rule = self.rule_for(kind, do_sample, num_ssms)
         check_rule(rule, kind, do_sample)
         if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1:
             raise ValueError(
@@ -46,17 +53,17 @@ class TreeVerifier:
                 "so it works with a single SSM; use rule='target' for a pool (rule='mss' needs chains "
                 "sampled with replacement, i.e. ChainShape)"
             )
+        self.active_rule = rule
 
     @torch.no_grad()
     def verify(
         self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
     ) -> Verdict:
         logits = target.tree_logits(tree)  # [N, V]
-        rule = self.rule_for(tree.kind, probs.config.do_sample)
-        if rule is Rule.GREEDY:
+        if self.active_rule is Rule.GREEDY:
             verdict = verify_greedy(tree, logits)
         else:
-            verdict = RULES[rule](tree, probs(logits), generator)
+            verdict = RULES[self.active_rule](tree, probs(logits), generator)
         target.keep_accepted(verdict.accepted)
         return verdict
 

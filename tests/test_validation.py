@@ -18,7 +18,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, TopologyShape
+from specboost.decoder import BeamShape, ChainShape, Rule, SpeculativeDecoder, TopologyShape
 
 PROMPT = torch.tensor([[3, 4, 5]])
 
@@ -187,13 +187,6 @@ BAD_COMBINATIONS = [
         id="without-replacement-with-2-ssms",
     ),
     pytest.param(
-        dict(shape=TOPOLOGY),
-        3,
-        dict(do_sample=True),
-        r"rule='without_replacement'.*works with a single SSM; use rule='target' for a pool",
-        id="default-rule-for-sampled-topology-pool",
-    ),
-    pytest.param(
         dict(shape=ChainShape(3), rule="without_replacement"),
         1,
         dict(do_sample=True),
@@ -294,6 +287,7 @@ def test_valid_sampling_combinations_run() -> None:
         (dict(shape=TOPOLOGY, rule="without_replacement"), 1),
         (dict(shape=TOPOLOGY, rule="target"), 2),  # what the refusal of a topology pool suggests
         (dict(shape=TOPOLOGY), 1),
+        (dict(shape=TOPOLOGY), 3),  # rule=None maps a sampled topology pool to target sampling
     ]:
         decoder = SpeculativeDecoder(llm(), [ssm(i + 1) for i in range(num_ssms)], **init)
         out = decoder.generate(PROMPT, max_new_tokens=4, do_sample=True, seed=0)
@@ -320,3 +314,14 @@ def test_unsupported_option_in_the_llms_own_generation_config() -> None:
         PROMPT, max_new_tokens=3, generation_config=GenerationConfig(repetition_penalty=1.0)
     )
     assert out.stats.new_tokens == 3
+
+
+def test_default_rule_per_tree_kind_and_pool_size() -> None:
+    decoder = SpeculativeDecoder(llm(), [ssm(1), ssm(2)], shape=TOPOLOGY)
+    decoder.generate(PROMPT, max_new_tokens=2, do_sample=True, seed=0)
+    assert decoder.verifier.active_rule is Rule.TARGET
+    decoder = SpeculativeDecoder(llm(), [ssm(1)], shape=TOPOLOGY)
+    decoder.generate(PROMPT, max_new_tokens=2, do_sample=True, seed=0)
+    assert decoder.verifier.active_rule is Rule.WITHOUT_REPLACEMENT
+    decoder.generate(PROMPT, max_new_tokens=2)
+    assert decoder.verifier.active_rule is Rule.GREEDY
