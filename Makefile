@@ -5,9 +5,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARTIFACTS ?= artifacts
 
+# bench-decoder inputs: the tiny stand-in models by default (override with real model folders).
 LLM ?= $(ARTIFACTS)/tiny-models/llm
-SSMS ?= $(ARTIFACTS)/tiny-models/ssm
+SSMS ?= $(ARTIFACTS)/tiny-models/ssm-0 $(ARTIFACTS)/tiny-models/ssm-1
 PROMPTS ?= data/prompts/bench_prompts.txt
+BENCH_FLAGS ?= --max-new-tokens 64 --repeats 3 --warmup 1 --threads 1
 
 .PHONY: install test lint format example bench-decoder clean
 
@@ -37,9 +39,10 @@ format: $(STAMP)
 example: $(STAMP)
 	$(BIN)/python -m specboost.decoder.example
 
+# Greedy bench: plain generate vs HF assisted vs our modes; table on stdout, JSON in artifacts/.
 bench-decoder: $(STAMP)
 	$(BIN)/python -m specboost.decoder.tiny_models --out $(ARTIFACTS)/tiny-models
-	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) \
+	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) $(BENCH_FLAGS) \
 		--out $(ARTIFACTS)/bench-decoder
 
 clean:

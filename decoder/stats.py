@@ -6,7 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -45,9 +45,12 @@ class DecodeStats:
         return self.new_tokens / self.time_total if self.time_total else 0.0
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        """Plain JSON-ready data, derived metrics included. (Built field by field: `asdict` cannot
+        copy defaultdict fields before Python 3.12.)"""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["proposed_per_ssm"] = dict(self.proposed_per_ssm)
         out["accepted_per_ssm"] = dict(self.accepted_per_ssm)
+        out["match_lengths"] = list(self.match_lengths)
         for name in ("tokens_per_step", "acceptance_rate", "acceptance_rate_per_ssm", "tokens_per_second"):
             out[name] = getattr(self, name)
         return out

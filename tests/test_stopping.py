@@ -77,3 +77,15 @@ def test_max_new_tokens_is_exact(max_new_tokens: int) -> None:
     out = SpeculativeDecoder(llm, [llm], shape=ChainShape(4)).generate(prompt, max_new_tokens=max_new_tokens)
     assert out.sequences.shape[1] == 2 + max_new_tokens
     assert out.stats.new_tokens == max_new_tokens and out.finish_reason == "length"
+
+
+def test_stats_to_dict_is_plain_data() -> None:
+    import json
+
+    llm = tiny_llama(2, 0)
+    out = SpeculativeDecoder(llm, [llm], shape=ChainShape(2)).generate(
+        torch.tensor([[3, 4]]), max_new_tokens=6
+    )
+    data = json.loads(json.dumps(out.stats.to_dict()))
+    assert data["new_tokens"] == 6 and data["llm_steps"] == 2 and data["tokens_per_step"] == 3.0
+    assert data["acceptance_rate_per_ssm"] == {"0": 1.0}

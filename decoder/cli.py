@@ -1,0 +1,292 @@
+"""The `specboost` command line: `specboost generate ...` and `specboost bench ...`.
+
+    specboost generate --llm artifacts/tiny-models/llm \\
+        --ssm artifacts/tiny-models/ssm-0 artifacts/tiny-models/ssm-1 --prompt "Once upon a time"
+    specboost bench --llm PATH --ssm PATH [PATH ...] --prompts data/prompts/bench_prompts.txt --out DIR
+
+Models and tokenizers are loaded from folders written by `save_pretrained`; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from specboost.decoder.bench import (
+    ALL_METHODS,
+    DEFAULT_TOPOLOGY,
+    DTYPES,
+    BenchConfig,
+    check_model_path,
+    load_models,
+    run_bench,
+)
+from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
+from specboost.decoder.verify import Rule
+from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
+
+_TOPOLOGY_TEXT = json.dumps([list(level) for level in DEFAULT_TOPOLOGY])
+
+
+def _topology(text: str) -> tuple[tuple[int, ...], ...]:
+    """'[[2], [2, 1]]' -> ((2,), (2, 1)): children counts per level (TopologyShape.from_children_counts)."""
+    try:
+        levels = json.loads(text)
+        if not isinstance(levels, list) or not all(
+            isinstance(level, list) and all(isinstance(n, int) and n >= 0 for n in level) for level in levels
+        ):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected children counts per level as JSON, e.g. '[[2], [2, 1]]', got {text!r}"
+        ) from None
+    return tuple(tuple(level) for level in levels)
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--llm", required=True, type=Path, metavar="PATH", help="folder of the target LLM (save_pretrained)"
+    )
+    parser.add_argument(
+        "--ssm",
+        dest="ssms",
+        required=True,
+        type=Path,
+        nargs="+",
+        action="extend",
+        metavar="PATH",
+        help="folder(s) of the SSMs; repeat the option or list several paths",
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, metavar="PATH", help="tokenizer folder (default: the LLM's)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (default: float32)"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ... (default: cpu)")
+
+
+def _add_topology_option(parser: argparse._ActionsContainer, used_by: str) -> None:
+    parser.add_argument(
+        "--topology-children",
+        type=_topology,
+        default=DEFAULT_TOPOLOGY,
+        metavar="JSON",
+        help=f"tree for {used_by}: children counts per level as JSON (default: {_TOPOLOGY_TEXT})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specboost", description="Lossless speculative decoding with a pool of small speculative models."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from one prompt with SpeculativeDecoder")
+    _add_model_options(gen)
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default: 64)"
+    )
+    gen.add_argument(
+        "--stop",
+        nargs="+",
+        action="extend",
+        metavar="STRING",
+        help="stop strings: generation ends with the token that completes one (that token is kept)",
+    )
+    gen.add_argument("--json", action="store_true", help="print text and stats as one JSON object")
+    sampling = gen.add_argument_group("sampling (unset options come from the LLM's generation_config)")
+    sampling.add_argument(
+        "--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy"
+    )
+    sampling.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
+    sampling.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (0 = off)")
+    sampling.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1.0 = off)")
+    sampling.add_argument("--seed", type=int, metavar="S", help="seed for reproducible sampling")
+    shape = gen.add_argument_group("draft shape (what every SSM drafts per step)")
+    shape.add_argument(
+        "--shape", choices=("chain", "beam", "topology"), default="chain", help="(default: chain)"
+    )
+    shape.add_argument("--length", type=int, default=4, metavar="L", help="chain length (default: 4)")
+    shape.add_argument("--width", type=int, default=2, metavar="W", help="beam width (default: 2)")
+    shape.add_argument("--depth", type=int, default=4, metavar="D", help="beam depth (default: 4)")
+    _add_topology_option(shape, "--shape topology")
+    verification = gen.add_argument_group("verification")
+    verification.add_argument(
+        "--rule",
+        choices=[r.value for r in Rule],
+        help="verification rule (default: greedy; with --do-sample: mss for chain, target for beam, "
+        "without_replacement for topology with one SSM, target for topology with several)",
+    )
+    verification.add_argument(
+        "--verification",
+        choices=("tree", "stairs"),
+        default="tree",
+        help="tree: one tree-attention pass; stairs: a batch of growing prefixes (greedy, one SSM, chain "
+        "shape) (default: tree)",
+    )
+
+    bench = commands.add_parser(
+        "bench", help="compare our modes with plain and HF assisted generation on a prompt file (greedy)"
+    )
+    _add_model_options(bench)
+    bench.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help=".txt (one prompt per line) or .jsonl file",
+    )
+    bench.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="folder to write bench.json into"
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens per prompt (default: 64)"
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=3, metavar="N", help="timed runs per method and prompt (default: 3)"
+    )
+    bench.add_argument(
+        "--warmup", type=int, default=1, metavar="N", help="untimed runs per method first (default: 1)"
+    )
+    bench.add_argument("--max-prompts", type=int, metavar="N", help="use only the first N prompts")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        choices=ALL_METHODS,
+        default=list(ALL_METHODS),
+        metavar="METHOD",
+        help=f"method families to run, from {', '.join(ALL_METHODS)}; plain always runs (default: all)",
+    )
+    bench.add_argument(
+        "--chain-length",
+        type=int,
+        default=4,
+        metavar="L",
+        help="chain length for chain, stairs, pool_chain (default: 4)",
+    )
+    bench.add_argument(
+        "--beam-width", type=int, default=2, metavar="W", help="beam width for pool_beam (default: 2)"
+    )
+    bench.add_argument(
+        "--beam-depth", type=int, default=4, metavar="D", help="beam depth for pool_beam (default: 4)"
+    )
+    _add_topology_option(bench, "pool_topology")
+    bench.add_argument(
+        "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default)"
+    )
+    return parser
+
+
+# generate ---------------------------------------------------------------------------------------
+def _shape(args: argparse.Namespace) -> DraftShape:
+    if args.shape == "chain":
+        return ChainShape(args.length)
+    if args.shape == "beam":
+        return BeamShape(args.width, args.depth)
+    return TopologyShape.from_children_counts([list(level) for level in args.topology_children])
+
+
+def format_stats(out: SpeculativeOutput) -> str:
+    s = out.stats
+    per_ssm = ", ".join(f"SSM {i} {a:.2f}" for i, a in s.acceptance_rate_per_ssm.items())
+    return "\n".join(
+        [
+            f"{s.new_tokens} new tokens (finish: {out.finish_reason}) in {s.llm_steps} LLM steps: "
+            f"{s.tokens_per_step:.2f} tokens/step",
+            f"acceptance {s.acceptance_rate:.2f} ({s.accepted_tokens}/{s.draft_tokens} drafted; {per_ssm})",
+            f"time {s.time_total:.3f} s (draft {s.time_draft:.3f}, verify {s.time_verify:.3f}, "
+            f"other {s.time_other:.3f}): {s.tokens_per_second:.1f} tokens/s",
+        ]
+    )
+
+
+def generate(args: argparse.Namespace) -> int:
+    models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
+    decoder = SpeculativeDecoder(
+        models.llm,
+        models.ssms,
+        models.tokenizer,
+        shape=_shape(args),
+        rule=args.rule,
+        verification=args.verification,
+        ssm_tokenizers=models.ssm_tokenizers,
+    )
+    inputs = models.tokenizer(args.prompt, return_tensors="pt").to(models.llm.device)
+    with torch.inference_mode():
+        out = decoder.generate(
+            inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            stop_strings=args.stop,
+            seed=args.seed,
+        )
+    new_tokens = out.sequences[0, inputs.input_ids.shape[1] :]
+    text = models.tokenizer.decode(new_tokens, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "finish_reason": out.finish_reason, "stats": out.stats.to_dict()}))
+    else:
+        print(text)
+        print(format_stats(out), file=sys.stderr)
+    return 0
+
+
+# bench ------------------------------------------------------------------------------------------
+def bench(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        llm=args.llm,
+        ssms=args.ssms,
+        prompts=args.prompts,
+        out=args.out,
+        tokenizer=args.tokenizer,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        max_prompts=args.max_prompts,
+        methods=tuple(args.methods),
+        chain_length=args.chain_length,
+        beam_width=args.beam_width,
+        beam_depth=args.beam_depth,
+        topology_children=args.topology_children,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+    )
+    report = run_bench(config, log=lambda line: print(line, file=sys.stderr))
+    m = report.machine
+    print(f"{m['cpu']}; torch threads: {m['torch_threads']}; {m['dtype']} on {m['device']}")
+    print(f"{len(report.records)} timed runs; wall time = median over repeats, summed over prompts\n")
+    print(report.table())
+    for s in report.summary:
+        print(f"  {s.method}: {s.description}")
+    print(f"\nwrote {config.out / 'bench.json'}")
+    if not report.all_identical:
+        differing = [s.method for s in report.summary if not s.identical_to_plain]
+        print(f"error: greedy output differs from plain llm.generate for {differing}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for path in (args.llm, *args.ssms):  # fail fast, before anything loads
+            check_model_path(path)
+        return generate(args) if args.command == "generate" else bench(args)
+    except (FileNotFoundError, ValueError, NotImplementedError) as error:
+        print(f"specboost {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
