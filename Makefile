@@ -5,11 +5,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARTIFACTS ?= artifacts
 
-# bench-decoder inputs: the tiny stand-in models by default (override with real model folders).
-LLM ?= $(ARTIFACTS)/tiny-models/llm
-SSMS ?= $(ARTIFACTS)/tiny-models/ssm-0 $(ARTIFACTS)/tiny-models/ssm-1
+# bench-decoder inputs: the "bench" stand-in models by default (override with real model folders).
+LLM ?= $(ARTIFACTS)/bench-models/llm
+SSMS ?= $(ARTIFACTS)/bench-models/ssm-0 $(ARTIFACTS)/bench-models/ssm-1
 PROMPTS ?= data/prompts/bench_prompts.txt
-BENCH_FLAGS ?= --max-new-tokens 64 --repeats 3 --warmup 1 --threads 1
+BENCH_FLAGS ?= --max-new-tokens 64 --max-prompts 8 --repeats 3 --warmup 1 --threads 1
 
 .PHONY: install test lint format example bench-decoder clean
 
@@ -41,7 +41,7 @@ example: $(STAMP)
 
 # Greedy bench: plain generate vs HF assisted vs our modes; table on stdout, JSON in artifacts/.
 bench-decoder: $(STAMP)
-	$(BIN)/python -m specboost.decoder.tiny_models --out $(ARTIFACTS)/tiny-models
+	$(BIN)/python -m specboost.decoder.tiny_models --preset bench --out $(ARTIFACTS)/bench-models
 	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) $(BENCH_FLAGS) \
 		--out $(ARTIFACTS)/bench-decoder
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -129,6 +130,22 @@ def build_ssm(llm: LlamaForCausalLM, layers: int, noise_std: float, seed: int) -
     return ssm.eval()
 
 
+PRESETS = {
+    # tests and the README example: builds in well under a second
+    "tiny": TinyModelsConfig(),
+    # the decoder bench: an LLM big enough that one of its passes costs several SSM passes
+    "bench": TinyModelsConfig(
+        hidden_size=512,
+        intermediate_size=1536,
+        llm_layers=12,
+        ssm_layers=(1, 2),
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        residual_std=0.015,  # ~0.05 * sqrt(128 / 512) * sqrt(4 / 12): as much context as the tiny preset,
+    ),
+}
+
+
 def _built_with(out: Path) -> dict | None:
     try:
         return json.loads((out / MANIFEST).read_text())
@@ -170,11 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder to write llm/, ssm-0/, ssm-1/ into")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default: 0)")
     parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="model sizes: 'tiny' (tests, example) or 'bench' (12-layer LLM, for timing) (default: tiny)",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="rebuild even if OUT holds models built with the same settings"
     )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    llm_dir, ssm_dirs = build_tiny_models(args.out, TinyModelsConfig(seed=args.seed), force=args.force)
+    llm_dir, ssm_dirs = build_tiny_models(
+        args.out, dataclasses.replace(PRESETS[args.preset], seed=args.seed), force=args.force
+    )
     print(f"tiny models in {args.out} ({time.perf_counter() - start:.1f} s): {llm_dir.name}, ", end="")
     print(", ".join(d.name for d in ssm_dirs))
     return 0
