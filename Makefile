@@ -11,7 +11,12 @@ SSMS ?= $(ARTIFACTS)/bench-models/ssm-0 $(ARTIFACTS)/bench-models/ssm-1
 PROMPTS ?= data/prompts/bench_prompts.txt
 BENCH_FLAGS ?= --max-new-tokens 64 --max-prompts 8 --repeats 3 --warmup 1 --threads 1
 
-.PHONY: install test lint format example bench-decoder clean
+# reference-llm: PRESET=tiny (demo, minutes) or small (benchmarks, ~1 h on 2 cores); THREADS= sets torch threads.
+PRESET ?= tiny
+OUT ?= $(ARTIFACTS)/reference-llm/$(PRESET)
+THREADS ?=
+
+.PHONY: install test lint format example bench-decoder reference-llm clean
 
 install: $(STAMP)
 
@@ -25,7 +30,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q  # tests never reach a hub
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -44,6 +49,10 @@ bench-decoder: $(STAMP)
 	$(BIN)/python -m specboost.decoder.tiny_models --preset bench --out $(ARTIFACTS)/bench-models
 	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) $(BENCH_FLAGS) \
 		--out $(ARTIFACTS)/bench-decoder
+
+# Tokenizer + Llama trained on data/corpus; reruns resume from OUT/checkpoints or skip a finished run.
+reference-llm: $(STAMP)
+	$(BIN)/python -m specboost.training.reference_llm --preset $(PRESET) --out $(OUT) $(if $(THREADS),--threads $(THREADS))
 
 clean:
 	rm -rf $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis
