@@ -8,7 +8,7 @@ from conftest import VOCAB, tiny_gpt2, tiny_llama
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from specboost.decoder import ChainShape, SpeculativeDecoder
 from specboost.decoder.stopping import StopCriteria
@@ -89,3 +89,18 @@ def test_stats_to_dict_is_plain_data() -> None:
     data = json.loads(json.dumps(out.stats.to_dict()))
     assert data["new_tokens"] == 6 and data["llm_steps"] == 2 and data["tokens_per_step"] == 3.0
     assert data["acceptance_rate_per_ssm"] == {"0": 1.0}
+
+
+def test_generation_config_supplies_unset_options_and_arguments_override_it() -> None:
+    llm, ssm = tiny_llama(2, 0), tiny_llama(1, 1)
+    prompt = torch.tensor([[5, 9, 11]])
+    ref = llm.generate(prompt, do_sample=False, max_new_tokens=12)
+    eos = ref[0, 3 + 5].item()
+    dec = SpeculativeDecoder(llm, [ssm], shape=ChainShape(3))
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    out = dec.generate(prompt, generation_config=config)
+    assert out.finish_reason == "eos" and out.sequences[0, -1].item() == eos
+    out = dec.generate(prompt, generation_config=config, eos_token_id=[], max_new_tokens=12)
+    assert torch.equal(out.sequences, ref) and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="set max_new_tokens"):
+        dec.generate(prompt)
