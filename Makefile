@@ -15,8 +15,12 @@ BENCH_FLAGS ?= --max-new-tokens 64 --max-prompts 8 --repeats 3 --warmup 1 --thre
 PRESET ?= tiny
 OUT ?= $(ARTIFACTS)/reference-llm/$(PRESET)
 THREADS ?=
+# distill: the LLM writes continuations of the prompt set's train split (resumable; rerun to resume).
+DISTILL_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
+DISTILL_PROMPTS ?= tinystories_openings
+DISTILL_FLAGS ?= --max-new-tokens 64 --batch-size 16
 
-.PHONY: install test lint format example bench-decoder reference-llm clean
+.PHONY: install test lint format example bench-decoder reference-llm distill clean
 
 install: $(STAMP)
 
@@ -53,6 +57,10 @@ bench-decoder: $(STAMP)
 # Tokenizer + Llama trained on data/corpus; reruns resume from OUT/checkpoints or skip a finished run.
 reference-llm: $(STAMP)
 	$(BIN)/python -m specboost.training.reference_llm --preset $(PRESET) --out $(OUT) $(if $(THREADS),--threads $(THREADS))
+
+# Needs the LLM first: `make reference-llm` (the default DISTILL_LLM) or DISTILL_LLM=PATH.
+distill: $(STAMP)
+	$(BIN)/python -m specboost.training.distill --llm $(DISTILL_LLM) --prompts $(DISTILL_PROMPTS) $(DISTILL_FLAGS)
 
 clean:
 	rm -rf $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import PreTrainedModel
 
 
@@ -17,3 +19,18 @@ def context_length(model: PreTrainedModel) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def check_model_location(name_or_path: str | Path) -> str:
+    """A local folder written by `save_pretrained`, or a hub id; a path that names no model
+    raises a FileNotFoundError that says so (instead of a confusing hub lookup error)."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    looks_local = path.exists() or text.startswith((".", "~", "/")) or text.count("/") > 1
+    if looks_local and not (path / "config.json").is_file():
+        what = "config.json is missing" if path.is_dir() else "the folder does not exist"
+        raise FileNotFoundError(
+            f"no model found at {text} ({what}); give a folder written by save_pretrained "
+            "(e.g. `make reference-llm` writes artifacts/reference-llm/tiny/model) or a hub id"
+        )
+    return str(path) if looks_local else text

@@ -1,0 +1,267 @@
+"""Distillation data: schema, left-padding correctness, resume after a kill, settings, filters, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specboost.speculator.model_info import check_model_location
+from specboost.training import distill as distill_module
+from specboost.training.distill import (
+    DistillConfig,
+    distill,
+    filter_reason,
+    final_number,
+    load_distilled,
+    main,
+    repeated_block,
+)
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = [
+    *("once", "upon", "a", "time", "the", "cat", "sat", "on", "mat", "tell", "me", "story"),
+    *("about", "dragon", "big", "red", "dog", "ran", "far", "away", "home"),
+]
+PROMPTS = [
+    "once upon a time",
+    "the cat sat on the mat",
+    "tell me a story about a dragon",
+    "big red dog",
+    "the dog ran far far away from home",
+    "a cat",
+    "tell me about the big red dragon",
+    "once the dog sat",
+    "story time",
+    "the mat on the cat on the mat",
+    "away home",
+    "dragon",
+]
+
+
+@pytest.fixture
+def llm(tmp_path: Path) -> str:
+    """A tiny random Llama and a word-level tokenizer (with <pad>, <s> prepended) saved to a folder."""
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    folder = tmp_path / "llm"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question": p, "answer": "#### 1"}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def make_config(llm: str, prompts: str, **kwargs) -> DistillConfig:
+    settings = {"prompt_field": "question", "max_new_tokens": 6, "batch_size": 4, "shard_size": 3}
+    return DistillConfig(llm=llm, prompts=prompts, **{**settings, **kwargs})
+
+
+def test_schema_and_metadata(llm: str, prompts: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    metadata = distill(make_config(llm, prompts), out)
+    rows = load_distilled(out, keep_filtered=True)
+    assert {"id", "prompt", "prompt_ids", "output_ids", "finish_reason"} <= set(rows.column_names)
+    assert set(rows["finish_reason"]) <= {"eos", "length"}
+    assert len(rows) == len(set(rows["id"])) == metadata["counts"]["train_prompts"] == 11
+    assert metadata["split"] == "train" and metadata["counts"]["held_out_prompts"] == 1
+    assert metadata["generation"]["do_sample"] is False
+    assert set(metadata["counts"]["filtered"]) == {"empty", "truncated", "repetition", "wrong_answer"}
+    assert json.loads((out / "metadata.json").read_text()) == metadata
+    assert len(list((out / "shards").glob("shard-*.parquet"))) == 4  # 11 prompts, 3 a shard
+    assert not list(out.rglob(".*.tmp-*"))
+
+
+def test_greedy_matches_unpadded_generate(llm: str, prompts: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    distill(make_config(llm, prompts, max_new_tokens=8), out)
+    model = AutoModelForCausalLM.from_pretrained(llm, dtype=torch.float32).eval()
+    rows = load_distilled(out, keep_filtered=True)
+    assert len({len(p) for p in rows["prompt_ids"]}) > 1  # batches really are padded
+    for prompt_ids, output_ids, reason in zip(
+        rows["prompt_ids"], rows["output_ids"], rows["finish_reason"], strict=True
+    ):
+        expected = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )[0, len(prompt_ids) :].tolist()
+        if 2 in expected:
+            expected = expected[: expected.index(2) + 1]
+        assert output_ids == expected
+        assert reason == ("eos" if expected[-1] == 2 else "length")
+
+
+def test_resume_after_kill_loses_and_duplicates_nothing(
+    llm: str, prompts: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(llm, prompts)
+    reference = load_distilled(distill(config, tmp_path / "ref") and tmp_path / "ref", keep_filtered=True)
+
+    # Kill while writing the third shard: two complete shards and a stray temporary file remain.
+    out = tmp_path / "out"
+    real_write, written = distill_module.write_shard, []
+
+    def dying_write(folder: Path, rows: list) -> Path:
+        if len(written) == 2:
+            (folder / "shards" / ".shard-000000099-00003.parquet.tmp-1").write_bytes(b"half a parq")
+            raise KeyboardInterrupt
+        written.append(real_write(folder, rows))
+        return written[-1]
+
+    monkeypatch.setattr(distill_module, "write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        distill(config, out)
+    assert not (out / "data.parquet").exists()
+    monkeypatch.setattr(distill_module, "write_shard", real_write)
+
+    metadata = distill(dataclasses.replace(config, batch_size=2), out)  # batch size may change
+    assert metadata["counts"]["resumed_from"] == 6 and metadata["counts"]["generated_this_run"] == 5
+    resumed = load_distilled(out, keep_filtered=True)
+    assert resumed["id"] == reference["id"] and len(set(resumed["id"])) == 11
+    assert resumed["output_ids"] == reference["output_ids"]
+    assert not list(out.rglob(".*.tmp-*"))
+
+    # A rerun of a finished run generates nothing and keeps one row per prompt.
+    assert distill(config, out)["counts"]["generated_this_run"] == 0
+    assert len(load_distilled(out, keep_filtered=True)) == 11
+
+
+def test_settings_mismatch_is_refused(llm: str, prompts: str, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    distill(make_config(llm, prompts, max_new_tokens=4), out)
+    with pytest.raises(ValueError, match=r"other settings.*max_new_tokens"):
+        distill(make_config(llm, prompts, max_new_tokens=5), out)
+    argv = [
+        "--llm",
+        llm,
+        "--prompts",
+        prompts,
+        "--prompt-field",
+        "question",
+        "--out",
+        str(out),
+        "--do-sample",
+    ]
+    assert main([*argv, "--max-new-tokens", "4"]) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_sampling_and_filters_change_without_regenerating(llm: str, prompts: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = make_config(
+        llm, prompts, answer_field="answer", do_sample=True, temperature=0.8, top_p=0.9, seed=3
+    )
+    metadata = distill(config, out)
+    assert metadata["generation"]["do_sample"] is True and metadata["generation"]["temperature"] == 0.8
+    assert metadata["counts"]["filtered"]["truncated"] == 0
+    assert set(load_distilled(out, keep_filtered=True)["answer"]) == {"#### 1"}
+    strict = distill(dataclasses.replace(config, drop_truncated=True), out)  # filters only: no generation
+    assert strict["counts"]["generated_this_run"] == 0
+    assert strict["counts"]["filtered"]["truncated"] == strict["counts"]["finish_length"] > 0
+    kept = load_distilled(out)
+    assert len(kept) == strict["counts"]["kept"] and set(kept["filter"]) <= {""}
+
+
+def test_repetition_filter() -> None:
+    assert repeated_block([5] * 6, max_ngram=4, min_count=6)
+    assert not repeated_block([5] * 5, max_ngram=4, min_count=6)
+    assert repeated_block([1, 2, 3, 7, 8, 7, 8, 7, 8, 7, 8], max_ngram=4, min_count=4)
+    assert not repeated_block([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], max_ngram=4, min_count=2)
+    assert not repeated_block([5] * 20, max_ngram=4, min_count=0)  # off
+
+
+def test_answer_check_and_row_filters() -> None:
+    assert final_number("Natalia sold 48+24 = 72 clips.\n#### 72") == "72"
+    assert final_number("so the answer is 1,250.") == "1250"
+    assert final_number("It costs 3.50 dollars") == "3.5"
+    assert final_number("no numbers here") is None
+    config = DistillConfig(llm="x", prompts="y", repeat_max_ngram=3, repeat_min_count=4, drop_truncated=True)
+
+    def row(output: str, ids: list[int], reason: str = "eos", answer: str = "") -> dict:
+        return {"output": output, "output_ids": ids, "finish_reason": reason, "answer": answer}
+
+    assert filter_reason(row("", [2]), config) == "empty"
+    assert filter_reason(row("  ", [9, 2]), config) == "empty"
+    assert filter_reason(row("a b c", [4, 5, 6], "length"), config) == "truncated"
+    assert filter_reason(row("la la la la", [7, 7, 7, 7, 2]), config) == "repetition"
+    assert filter_reason(row("so 3 + 4 = 7", [4, 5, 2], answer="... #### 7"), config) == ""
+    assert filter_reason(row("so 3 + 4 = 8", [4, 5, 2], answer="... #### 7"), config) == "wrong_answer"
+    assert filter_reason(row("text", [4, 5, 2], answer="free-form answer"), config) == ""
+
+
+def test_prompt_errors_surface(llm: str, tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"question": "a cat"}) + "\n" + json.dumps({"question": "a dog"}) + "\n")
+    cases = [
+        (str(tmp_path / "missing.jsonl"), "question", "does not exist"),
+        (str(empty), "question", "is empty"),
+        (str(other), "instruction", "prompt field 'instruction' not found"),
+    ]
+    for path, field, message in cases:
+        out = tmp_path / f"out-{Path(path).stem}"
+        assert main(["--llm", llm, "--prompts", path, "--prompt-field", field, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_long_prompts_are_truncated_and_counted(llm: str, tmp_path: Path) -> None:
+    path = tmp_path / "long.jsonl"
+    long = " ".join(["the cat"] * 40)  # 81 tokens with <s>; context 64 - 6 new tokens = 58
+    path.write_text("".join(json.dumps({"question": p}) + "\n" for p in [long, *PROMPTS[:4]]))
+    out = tmp_path / "out"
+    metadata = distill(make_config(llm, str(path), held_out_fraction=0.2), out)
+    assert metadata["counts"]["max_prompt_tokens"] == 58
+    rows = pq.read_table(out / "data.parquet").to_pylist()
+    assert max(len(r["prompt_ids"]) for r in rows) <= 58
+    assert metadata["counts"]["truncated_prompts"] == sum(r["prompt"] == long for r in rows)
+
+
+def test_missing_llm_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no model found at .*the folder does not exist"):
+        check_model_location(tmp_path / "nope")
+    assert check_model_location("org/model-name") == "org/model-name"  # a hub id passes through
+
+
+def test_a_failed_start_does_not_claim_the_run_folder(tmp_path: Path) -> None:
+    """Regression: a run with a wrong --llm path used to write run.json first, so the corrected
+    command was then refused as 'other settings'."""
+    out = tmp_path / "out"
+    assert (
+        main(["--llm", str(tmp_path / "missing"), "--prompts", "tinystories_openings", "--out", str(out)])
+        == 2
+    )
+    assert not (out / "run.json").exists()

@@ -1,0 +1,513 @@
+"""Distillation data: the LLM's own continuations of the training prompts (ALGORITHMS.md section 9).
+
+    python -m specboost.training.distill --llm artifacts/reference-llm/tiny/model --prompts gsm8k \\
+        --out artifacts/distill/tiny-gsm8k --max-new-tokens 128 --batch-size 16
+    accelerate launch -m specboost.training.distill ...   # same, split over processes
+
+Only the TRAIN split of the prompt set is used (`load_prompt_splits`; the held-out prompts stay
+unseen for evaluation). The LLM (p) continues each prompt with `model.generate`, batched with left
+padding, greedily or with the sampling settings that will be served.
+
+OUT gets `run.json` (the settings the shards belong to), `shards/` (Parquet, one file per
+`shard_size` prompts, each written to a temporary file and renamed, so a shard exists only
+complete), and finally `data.parquet` (every prompt exactly once, with the filter that dropped it,
+if any) and `metadata.json`. A killed run (even kill -9) resumes by rerunning the same command:
+prompts already in a complete shard are skipped. Other settings are refused.
+
+Rows: id, prompt, prompt_ids, output_ids, output (text), finish_reason ("eos" | "length") and
+answer when the prompt set has reference answers. `load_distilled(out)` gives the kept rows.
+
+Filters (applied when merging, so they can change without regenerating; counts in metadata):
+empty output, `--drop-truncated` (finish_reason "length"), degenerate repetition (a block of up
+to `repeat_max_ngram` tokens repeated `repeat_min_count` times in a row), and a wrong final
+number where the prompt set has GSM8K-style reference answers ("#### 72").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import accelerate
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import transformers
+from accelerate import Accelerator
+from datasets import Dataset
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specboost.speculator.model_info import check_model_location, context_length
+from specboost.training.data import (
+    BUNDLED_PROMPT_SETS,
+    PromptSource,
+    bundled_source,
+    load_prompt_splits,
+    tokenize_prompts,
+)
+
+logger = logging.getLogger(__name__)
+
+SPLIT = "train"  # the only split distilled; "held_out" is kept for evaluation
+RUN_FILE, METADATA_FILE, DATA_FILE, SHARDS_DIR = "run.json", "metadata.json", "data.parquet", "shards"
+FILTERS = ("empty", "truncated", "repetition", "wrong_answer")
+DTYPES = {"auto": "auto", "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    # what to generate (all of these identify a run: a resume must match them)
+    llm: str = field(metadata={"help": "any Hugging Face causal LM folder or id"})
+    prompts: str = field(metadata={"help": f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or a file"})
+    prompt_field: str | None = None  # column of the prompt (None: the set's default / auto)
+    answer_field: str | None = None  # column of a reference answer (bundled gsm8k: "answer")
+    chat_template: bool = False  # render prompts as one user turn with the tokenizer's template
+    max_prompts: int | None = None  # first N distinct prompts, before the train / held-out split
+    held_out_fraction: float = 0.1
+    split_seed: int = 0
+    max_new_tokens: int = 128
+    do_sample: bool = False  # False: greedy
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed (each batch is seeded from it and its first prompt id)
+    shard_size: int = 256  # prompts per Parquet shard: at most this much work is lost to a kill
+    dtype: str = "auto"
+    # how to run (free to change between resumes)
+    batch_size: int = 8
+    # filters, applied at merge time
+    drop_truncated: bool = False
+    repeat_max_ngram: int = 8  # longest repeated block looked for
+    repeat_min_count: int = 6  # consecutive repeats that make an output degenerate (0: off)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
+            raise ValueError("max_new_tokens, batch_size and shard_size must be at least 1")
+        if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
+            raise ValueError(
+                f"sampling needs temperature > 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def identity(self) -> dict[str, Any]:
+        """Settings that change what is generated: a resume must match them exactly."""
+        free = {"batch_size", "drop_truncated", "repeat_max_ngram", "repeat_min_count"}
+        settings = {k: v for k, v in asdict(self).items() if k not in free}
+        if not self.do_sample:
+            settings.pop("temperature"), settings.pop("top_p"), settings.pop("seed")
+        return settings
+
+
+# ---------------------------------------------------------------- setup: prompts, model
+
+
+def prompt_source(config: DistillConfig) -> PromptSource:
+    """A bundled set by name, else a file / hub dataset."""
+    overrides: dict[str, Any] = {
+        "max_prompts": config.max_prompts,
+        "chat_template": config.chat_template,
+        "held_out_fraction": config.held_out_fraction,
+        "seed": config.split_seed,
+    }
+    if config.prompt_field is not None:
+        overrides.update(prompt_field=config.prompt_field, prompt_template=None)
+    if config.answer_field is not None:
+        overrides["answer_field"] = config.answer_field
+    if config.prompts in BUNDLED_PROMPT_SETS:
+        return bundled_source(config.prompts, **overrides)
+    return PromptSource(config.prompts, **overrides)
+
+
+def load_llm(config: DistillConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    location = check_model_location(config.llm)
+    tokenizer = AutoTokenizer.from_pretrained(location)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {config.llm} has neither a pad nor an eos token: set one")
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id works
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=DTYPES[config.dtype])
+    return model.eval(), tokenizer
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    found = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found
+
+
+# ---------------------------------------------------------------- run folder, shards, resume
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def claim_run_folder(out: Path, identity: dict[str, Any]) -> None:
+    """Refuse shards that belong to other settings; drop temporary files of killed writers."""
+    (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    run = out / RUN_FILE
+    if run.is_file():
+        previous = json.loads(run.read_text())
+        if previous != identity:
+            diff = {k: (previous.get(k), identity.get(k)) for k in identity.keys() | previous.keys()}
+            diff = {k: v for k, v in diff.items() if v[0] != v[1]}
+            changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise ValueError(
+                f"{out} holds distillation data made with other settings ({changes}): "
+                "rerun with the same settings to resume, or use a new --out"
+            )
+    write_json_atomic(run, identity)
+    for stray in (out / SHARDS_DIR).glob(".*.tmp-*"):
+        stray.unlink(missing_ok=True)
+
+
+def read_shards(out: Path) -> list[dict[str, Any]]:
+    """Rows of every complete shard (a file that cannot be read is skipped with a warning)."""
+    rows: list[dict[str, Any]] = []
+    for path in sorted((out / SHARDS_DIR).glob("shard-*.parquet")):
+        try:
+            rows.extend(pq.read_table(path).to_pylist())
+        except (OSError, pa.ArrowInvalid) as error:
+            logger.warning(
+                "skipping unreadable shard %s (%s); its prompts will be generated again", path, error
+            )
+    return rows
+
+
+def write_shard(out: Path, rows: list[dict[str, Any]]) -> Path:
+    """One shard, named by its first prompt id (ids are disjoint between shards), written atomically."""
+    path = out / SHARDS_DIR / f"shard-{rows[0]['id']:09d}-{len(rows):05d}.parquet"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- generation
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] and attention_mask [B, T], padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def trim_output(tokens: list[int], eos: set[int]) -> tuple[list[int], str]:
+    """Tokens up to and including the first EOS (what follows is padding), and why it stopped."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1], "eos"
+    return tokens, "length"
+
+
+@torch.no_grad()
+def generate_batch(
+    model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos: set[int], config: DistillConfig
+) -> list[tuple[list[int], str]]:
+    """(output_ids, finish_reason) for each prompt."""
+    ids, mask = left_pad(prompts, pad_id)  # [B, T]
+    sampling = {"temperature": config.temperature, "top_p": config.top_p} if config.do_sample else {}
+    out = model.generate(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        max_new_tokens=config.max_new_tokens,
+        do_sample=config.do_sample,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(eos) or None,
+        **sampling,
+    )  # [B, T + new]; finished rows are padded
+    return [trim_output(row.tolist(), eos) for row in out[:, ids.shape[1] :].cpu()]
+
+
+def generate_pending(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pending: Dataset,
+    config: DistillConfig,
+    out: Path,
+    show_progress: bool,
+) -> int:
+    """Generate this process's prompts, one shard at a time; returns the tokens generated."""
+    eos = eos_ids(model, tokenizer)
+    has_answer = "answer" in pending.column_names
+    bar = tqdm(total=len(pending), unit="prompt", disable=not show_progress, desc="distill")
+    started, tokens = time.perf_counter(), 0
+    for start in range(0, len(pending), config.shard_size):
+        shard = pending.select(range(start, min(start + config.shard_size, len(pending))))
+        rows: list[dict[str, Any]] = []
+        for b in range(0, len(shard), config.batch_size):
+            batch = shard[b : b + config.batch_size]
+            if config.do_sample:  # reproducible for the same batches, whatever ran before
+                transformers.set_seed(config.seed * 1_000_003 + batch["id"][0])
+            results = generate_batch(model, batch["input_ids"], tokenizer.pad_token_id, eos, config)
+            for i, (output_ids, reason) in enumerate(results):
+                row = {
+                    "id": batch["id"][i],
+                    "prompt": batch["prompt"][i],
+                    "prompt_ids": batch["input_ids"][i],
+                    "output_ids": output_ids,
+                    "output": tokenizer.decode(output_ids, skip_special_tokens=True),
+                    "finish_reason": reason,
+                }
+                if has_answer:
+                    row["answer"] = batch["answer"][i]
+                rows.append(row)
+                tokens += len(output_ids)
+            bar.update(len(results))
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix(prompts_s=f"{bar.n / elapsed:.2f}", tokens_s=f"{tokens / elapsed:.1f}")
+        write_shard(out, rows)
+    bar.close()
+    return tokens
+
+
+# ---------------------------------------------------------------- filters
+
+
+def repeated_block(tokens: list[int], max_ngram: int, min_count: int) -> bool:
+    """Whether some block of 1..max_ngram tokens occurs min_count times in a row."""
+    if min_count < 2:
+        return False
+    for n in range(1, max_ngram + 1):
+        run = 0  # positions i with tokens[i] == tokens[i - n], in a row
+        for i in range(n, len(tokens)):
+            run = run + 1 if tokens[i] == tokens[i - n] else 0
+            if run + n >= n * min_count:
+                return True
+    return False
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The number after '####' if there is one, else the last number in the text, normalised."""
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    found = NUMBER.findall(tail)
+    if not found:
+        return None
+    number = found[0] if "####" in text else found[-1]
+    number = number.replace(",", "")
+    return number.rstrip("0").rstrip(".") if "." in number else number
+
+
+def filter_reason(row: dict[str, Any], config: DistillConfig) -> str:
+    """The first filter that drops the row, or "" if it is kept."""
+    content = row["output_ids"] if row["finish_reason"] == "length" else row["output_ids"][:-1]  # no EOS
+    if not content or not row["output"].strip():
+        return "empty"
+    if config.drop_truncated and row["finish_reason"] == "length":
+        return "truncated"
+    if repeated_block(content, config.repeat_max_ngram, config.repeat_min_count):
+        return "repetition"
+    answer = row.get("answer") or ""
+    if "####" in answer and final_number(row["output"]) != final_number(answer):
+        return "wrong_answer"
+    return ""
+
+
+# ---------------------------------------------------------------- merge, metadata
+
+
+def merge(out: Path, expected_ids: list[int], config: DistillConfig) -> tuple[Dataset, dict[str, int]]:
+    """All shards as one table with one row per prompt and its filter; written to OUT/data.parquet."""
+    by_id: dict[int, dict[str, Any]] = {}
+    for row in read_shards(out):
+        by_id.setdefault(row["id"], row)  # duplicates cannot arise from complete shards; be safe
+    missing = set(expected_ids) - by_id.keys()
+    assert not missing, f"{len(missing)} prompts have no output (e.g. {sorted(missing)[:5]})"
+    rows = [by_id[i] for i in sorted(expected_ids)]
+    for row in rows:
+        row["filter"] = filter_reason(row, config)
+    assert len({r["id"] for r in rows}) == len(expected_ids)
+    table = pa.Table.from_pylist(rows)
+    tmp = out / f".{DATA_FILE}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out / DATA_FILE)
+    counts = {name: sum(r["filter"] == name for r in rows) for name in FILTERS}
+    return Dataset(table), counts
+
+
+def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> Dataset:
+    """The distilled rows of a finished run: one per kept prompt (all prompts with keep_filtered)."""
+    path = Path(out) / DATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: run `python -m specboost.training.distill` to finish"
+        )
+    ds = Dataset(pq.read_table(path))
+    if len(set(ds["id"])) != len(ds):
+        raise RuntimeError(f"{path} holds duplicate prompt ids: regenerate it")
+    return ds if keep_filtered else ds.filter(lambda reason: reason == "", input_columns="filter")
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "datasets": datasets.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
+# ---------------------------------------------------------------- run
+
+
+def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
+    """Generate (or resume) the distillation data in `out`; returns the metadata."""
+    started = time.time()
+    accelerator = Accelerator()
+    # 1. Load (and so validate) the LLM and the prompts' train split before the settings claim
+    #    the run folder: a bad path must not leave a run folder that refuses the corrected command.
+    model, tokenizer = load_llm(config)
+    source = prompt_source(config)
+    splits = load_prompt_splits(source, tokenizer)
+    if accelerator.is_main_process:
+        claim_run_folder(out, config.identity())
+    accelerator.wait_for_everyone()
+    context = context_length(model)
+    budget = (context - config.max_new_tokens) if context else 1 << 30
+    tokenized = tokenize_prompts(
+        splits[SPLIT], tokenizer, budget, add_special_tokens=not config.chat_template
+    )
+
+    # 2. Skip prompts already in a complete shard; each process takes its share of the rest.
+    done = {row["id"] for row in read_shards(out)}
+    pending = tokenized.dataset.filter(lambda i: i not in done, input_columns="id")
+    if accelerator.is_main_process:
+        print(
+            f"[distill] {len(tokenized.dataset)} train prompts, {len(done)} done, {len(pending)} to generate"
+        )
+    model.to(accelerator.device)
+    with accelerator.split_between_processes(list(range(len(pending)))) as mine:
+        tokens = generate_pending(
+            model, tokenizer, pending.select(mine), config, out, accelerator.is_local_main_process
+        )
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return {}
+
+    # 3. Merge to one row per prompt, apply the filters, record what was done.
+    merged, counts = merge(out, tokenized.dataset["id"], config)
+    metadata = {
+        "llm": config.llm,
+        "generation": {
+            "do_sample": config.do_sample,
+            "temperature": config.temperature if config.do_sample else None,
+            "top_p": config.top_p if config.do_sample else None,
+            "seed": config.seed if config.do_sample else None,
+            "max_new_tokens": config.max_new_tokens,
+            "dtype": config.dtype,
+            "batch_size": config.batch_size,
+            "padding": "left",
+        },
+        "config": asdict(config),
+        "prompt_source": asdict(source),
+        "split": SPLIT,
+        "counts": {
+            "train_prompts": len(splits[SPLIT]),
+            "held_out_prompts": len(splits["held_out"]),
+            "truncated_prompts": tokenized.num_truncated,
+            "max_prompt_tokens": budget if context else None,
+            "generated_this_run": len(pending),
+            "resumed_from": len(done),
+            "rows": len(merged),
+            "finish_eos": sum(r == "eos" for r in merged["finish_reason"]),
+            "finish_length": sum(r == "length" for r in merged["finish_reason"]),
+            "filtered": counts,
+            "kept": sum(f == "" for f in merged["filter"]),
+            "output_tokens": sum(len(o) for o in merged["output_ids"]),
+            "tokens_generated_this_run": tokens,
+        },
+        "processes": accelerator.num_processes,
+        "wall_time_s": round(time.time() - started, 1),
+        "versions": versions(),
+    }
+    write_json_atomic(out / METADATA_FILE, metadata)
+    c = metadata["counts"]
+    print(f"[distill] {c['rows']} rows, {c['kept']} kept, filtered {counts}: {out / DATA_FILE}")
+    return metadata
+
+
+def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
+    p = argparse.ArgumentParser(description="Generate distillation data: the LLM's continuations of prompts.")
+    p.add_argument("--llm", required=True, help="Hugging Face causal LM folder or id")
+    p.add_argument("--prompts", required=True, help=f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or file")
+    p.add_argument("--prompt-field", default=None)
+    p.add_argument("--answer-field", default=None, help="reference answers ('#### n') for the answer check")
+    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default artifacts/distill/<prompts>)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-size", type=int, default=256)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--held-out-fraction", type=float, default=0.1)
+    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
+    p.add_argument("--drop-truncated", action="store_true", help="drop outputs cut at max-new-tokens")
+    p.add_argument("--repeat-max-ngram", type=int, default=8)
+    p.add_argument("--repeat-min-count", type=int, default=6, help="0 turns the repetition filter off")
+    a = p.parse_args(argv)
+    out = a.out or Path("artifacts") / "distill" / Path(a.prompts).stem
+    config = DistillConfig(
+        llm=a.llm,
+        prompts=a.prompts,
+        prompt_field=a.prompt_field,
+        answer_field=a.answer_field,
+        chat_template=a.chat_template,
+        max_prompts=a.max_prompts,
+        held_out_fraction=a.held_out_fraction,
+        split_seed=a.split_seed,
+        max_new_tokens=a.max_new_tokens,
+        do_sample=a.do_sample,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        seed=a.seed,
+        shard_size=a.shard_size,
+        dtype=a.dtype,
+        batch_size=a.batch_size,
+        drop_truncated=a.drop_truncated,
+        repeat_max_ngram=a.repeat_max_ngram,
+        repeat_min_count=a.repeat_min_count,
+    )
+    return config, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, out = parse_args(argv)
+        distill(config, out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
