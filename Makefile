@@ -19,8 +19,17 @@ THREADS ?=
 DISTILL_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
 DISTILL_PROMPTS ?= tinystories_openings
 DISTILL_FLAGS ?= --max-new-tokens 64 --batch-size 16
+# boost: collective boost-tuning of an SSM pool on the distilled data (resumable; rerun to resume).
+BOOST_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
+BOOST_DISTILLED ?= $(ARTIFACTS)/distill/tinystories_openings
+BOOST_OUT ?= $(ARTIFACTS)/pool
+BOOST_FLAGS ?=
+# export: the boost run's pool as a hub-style folder; HUB_REPO=ORG/NAME also pushes it (needs `hf auth login`).
+EXPORT_BOOST ?= $(ARTIFACTS)/pool
+EXPORT_OUT ?= $(ARTIFACTS)/pool-export
+HUB_REPO ?=
 
-.PHONY: install test lint format example bench-decoder reference-llm distill clean
+.PHONY: install test lint format example bench-decoder reference-llm distill boost export clean
 
 install: $(STAMP)
 
@@ -61,6 +70,14 @@ reference-llm: $(STAMP)
 # Needs the LLM first: `make reference-llm` (the default DISTILL_LLM) or DISTILL_LLM=PATH.
 distill: $(STAMP)
 	$(BIN)/python -m specboost.training.distill --llm $(DISTILL_LLM) --prompts $(DISTILL_PROMPTS) $(DISTILL_FLAGS)
+
+# Needs a finished boost run in EXPORT_BOOST (ssm-i/ + boost_record.json).
+export: $(STAMP)
+	$(BIN)/python -m specboost.training.export --boost $(EXPORT_BOOST) --out $(EXPORT_OUT) $(if $(HUB_REPO),--hub-repo $(HUB_REPO))
+
+# Needs the distilled data first: `make distill`. Pool in BOOST_OUT/ssm-*, record and coverage.png.
+boost: $(STAMP)
+	$(BIN)/python -m specboost.training.boost --distilled $(BOOST_DISTILLED) --llm $(BOOST_LLM) --out $(BOOST_OUT) $(BOOST_FLAGS)
 
 clean:
 	rm -rf $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis

@@ -1,6 +1,7 @@
 """Lossless speculative decoding with a pool of SSMs: `SpeculativeDecoder`."""
 
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
+from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.verify import Rule
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
@@ -10,6 +11,7 @@ __all__ = [
     "ChainShape",
     "DecodeStats",
     "Rule",
+    "SSMPool",
     "SpeculativeDecoder",
     "SpeculativeOutput",
     "TopologyShape",

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats, PhaseTimer
 from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.target import TargetState
@@ -40,7 +41,7 @@ class SpeculativeDecoder:
 
     Args:
         llm: the target causal LM.
-        ssms: small speculative models sharing the LLM's vocabulary.
+        ssms: small speculative models sharing the LLM's vocabulary, or an `SSMPool`.
         tokenizer: the LLM's tokenizer (needed for stop strings and tokenizer checks).
         shape: what every SSM drafts per step: `ChainShape(length)`, `BeamShape(width, depth)`
             or `TopologyShape(parents)`. Default: a chain of 4.
@@ -54,7 +55,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         llm: PreTrainedModel,
-        ssms: Sequence[PreTrainedModel],
+        ssms: Sequence[PreTrainedModel] | SSMPool,
         tokenizer: PreTrainedTokenizerBase | None = None,
         *,
         shape: DraftShape | None = None,
@@ -64,6 +65,9 @@ class SpeculativeDecoder:
         ssm_tokenizers: Sequence[PreTrainedTokenizerBase | None] | None = None,
     ) -> None:
         check_causal_lm(llm, "LLM")
+        if isinstance(ssms, SSMPool):  # its tokenizer is every SSM's
+            ssm_tokenizers = ssm_tokenizers or [ssms.tokenizer] * len(ssms)
+            ssms = ssms.models
         ssms = list(ssms)
         for i, ssm in enumerate(ssms):
             check_causal_lm(ssm, f"SSM {i}")

@@ -1,0 +1,137 @@
+"""`SSMPool`: a pool of SSMs exported by `python -m specboost.training.export`, loaded in one call.
+
+    pool = SSMPool.from_pretrained("artifacts/pool-export")  # or a hub id, "org/name"
+    pool.check_llm(llm, tokenizer)
+    decoder = SpeculativeDecoder(llm, ssms=pool, tokenizer=tokenizer)
+
+An exported pool folder holds `specboost_pool.json` (the manifest: the LLM the pool was trained
+for, the SSM subfolders, their voting weights) and one `save_pretrained` folder per SSM, each with
+the LLM's tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specboost.decoder.validation import model_name, output_vocab_size
+
+MANIFEST_FILE = "specboost_pool.json"
+FORMAT_VERSION = 1  # bump when the manifest changes incompatibly
+
+
+def tokenizer_vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the token -> id table: equal hashes mean the same vocabulary."""
+    table = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(table.encode()).hexdigest()
+
+
+def _local_folder(location: str | Path) -> Path:
+    """A local pool folder, or a hub snapshot of one (`snapshot_download`, cached)."""
+    text = str(location)
+    path = Path(text).expanduser()
+    if path.exists() or text.startswith((".", "~", "/")) or text.count("/") != 1:
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"no SSM pool at {text} (the folder does not exist); give a folder written by "
+                "`python -m specboost.training.export` (`make export`) or a hub id 'org/name'"
+            )
+        return path
+    try:
+        return Path(snapshot_download(text))
+    except Exception as error:  # offline, unknown repo, no access: all say the same to a user
+        raise OSError(
+            f"could not download the SSM pool {text!r} from the Hugging Face Hub ({type(error).__name__}: "
+            f"{error}); check the id and your connection (HF_HUB_OFFLINE=1 forbids downloads), "
+            "or give a local folder"
+        ) from error
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{folder} is not an exported SSM pool ({MANIFEST_FILE} is missing); "
+            "export one with `python -m specboost.training.export --boost BOOST_DIR --out OUT`"
+        )
+    manifest = json.loads(path.read_text())
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format_version {version!r}; this specboost reads version {FORMAT_VERSION}: "
+            "re-export the pool or upgrade specboost"
+        )
+    return manifest
+
+
+@dataclass
+class SSMPool:
+    """The SSMs of one pool, their shared tokenizer (the LLM's), the manifest and voting weights."""
+
+    models: list[PreTrainedModel]
+    tokenizer: PreTrainedTokenizerBase | None
+    manifest: dict[str, Any]
+    weights: list[float]  # initial voting weights, one per SSM (ALGORITHMS.md section 6)
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != len(self.models):
+            raise ValueError(f"{len(self.weights)} weights for {len(self.models)} SSMs: give one per SSM")
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __iter__(self) -> Iterator[PreTrainedModel]:
+        return iter(self.models)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder_or_repo_id: str | Path,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> SSMPool:
+        """Load the manifest and every SSM of an exported pool (local folder or hub id)."""
+        folder = _local_folder(folder_or_repo_id)
+        manifest = read_manifest(folder)
+        models = []
+        for entry in manifest["ssms"]:
+            ssm_dir = folder / entry["path"]
+            if not (ssm_dir / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"the pool {folder} lists SSM {entry['path']!r} but {ssm_dir} holds no model "
+                    "(config.json is missing); re-export or re-download the pool"
+                )
+            kwargs = {} if dtype is None else {"dtype": dtype}
+            model = AutoModelForCausalLM.from_pretrained(ssm_dir, **kwargs)
+            models.append((model if device is None else model.to(device)).eval())
+        first = folder / manifest["ssms"][0]["path"] if manifest["ssms"] else None
+        tokenizer = AutoTokenizer.from_pretrained(first) if first is not None else None
+        weights = [float(w) for w in manifest.get("weights") or [1.0 / len(models)] * len(models)]
+        return cls(models, tokenizer, manifest, weights)
+
+    def check_llm(self, llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """Raise a ValueError when `llm` (and `tokenizer`) is not the LLM the pool was trained for."""
+        expected = self.manifest["llm"]
+        name = expected.get("name_or_path")
+        actual = output_vocab_size(llm)
+        if actual != expected["vocab_size"]:
+            raise ValueError(
+                f"vocabulary mismatch: the SSM pool was trained for the LLM {name} ({expected['vocab_size']} "
+                f"tokens) but {model_name(llm)} predicts {actual}; use the pool with that LLM"
+            )
+        if tokenizer is not None and expected.get("tokenizer_vocab_hash") is not None:
+            actual_hash = tokenizer_vocab_hash(tokenizer)
+            if actual_hash != expected["tokenizer_vocab_hash"]:
+                raise ValueError(
+                    f"tokenizer mismatch: the SSM pool was trained for the tokenizer of the LLM {name} "
+                    f"(vocab hash {expected['tokenizer_vocab_hash']}) but the given tokenizer of "
+                    f"{model_name(llm)} has vocab hash {actual_hash}; use the LLM's own tokenizer"
+                )

@@ -1,0 +1,291 @@
+"""Pool export (training/export.py) and loading (decoder/pool.py): a fake boost run built from the
+tiny models, exported, loaded back and decoded with; the hub push runs against a mocked HfApi."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specboost.decoder import SpeculativeDecoder, SSMPool
+from specboost.decoder import pool as pool_module
+from specboost.decoder.pool import MANIFEST_FILE, tokenizer_vocab_hash
+from specboost.decoder.tiny_models import build_tiny_models, build_tokenizer
+from specboost.training import export
+
+ROUNDS = [
+    {"ssm": 0, "path": "ssm-0", "train_samples": 36, "marked": 0, "held_out_acceptance": 0.7125,
+     "held_out_mean_match_length": 2.345, "pool_coverage": 0.7125, "steps": 40, "final_loss": 1.23456},
+    {"ssm": 1, "path": "ssm-1", "train_samples": 21, "marked": 15, "held_out_acceptance": 0.5432,
+     "held_out_mean_match_length": 1.876, "pool_coverage": 0.8123, "steps": 30, "final_loss": 1.5},
+]  # fmt: skip
+BASE = "HuggingFaceTB/SmolLM-135M"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    return build_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+def make_boost(root: Path, tiny: tuple[Path, list[Path]]) -> Path:
+    """A boost run folder as training/boost.py writes it, with hand-written numbers."""
+    llm_dir, ssm_dirs = tiny
+    boost, distilled = root / "boost", root / "distill"
+    for i, ssm_dir in enumerate(ssm_dirs):
+        shutil.copytree(ssm_dir, boost / f"ssm-{i}")
+    distilled.mkdir()
+    metadata = {"llm": str(llm_dir), "config": {"prompts": "tinystories_openings"}, "counts": {"kept": 36}}
+    (distilled / "metadata.json").write_text(json.dumps(metadata))
+    record = {
+        "llm": str(llm_dir),
+        "distilled": str(distilled),
+        "base": BASE,
+        "marking": "sample",
+        "rounds": ROUNDS,
+        "held_out_ids": [3, 7, 11, 19],
+        "seed": 0,
+        "versions": {"torch": torch.__version__},
+    }
+    (boost / export.RECORD_FILE).write_text(json.dumps(record))
+    return boost
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory, tiny: tuple[Path, list[Path]]) -> tuple[Path, Path]:
+    """(boost folder, export folder): read-only for the tests that share it."""
+    root = tmp_path_factory.mktemp("exported")
+    boost = make_boost(root, tiny)
+    export.export_pool(boost, root / "pool-export")
+    return boost, root / "pool-export"
+
+
+def read(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_export_writes_models_cards_and_readme(exported: tuple[Path, Path]) -> None:
+    _, out = exported
+    for i, entry in enumerate(ROUNDS):
+        folder = out / f"ssm-{i}"
+        for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
+            assert (folder / name).is_file(), name
+        card = (folder / "README.md").read_text()
+        assert card.startswith("---\nlibrary_name: transformers\n")
+        assert "- speculative-decoding\n- specboost\n" in card and f"base_model: {BASE}\n" in card
+        assert f"{entry['held_out_acceptance']:.3f}" in card
+        assert f"{entry['held_out_mean_match_length']:.2f}" in card
+        assert f"Boost round: {i + 1} of 2" in card
+        assert "`tinystories_openings`" in card and str(exported[0].parent / "llm") not in card
+        assert "assistant_model=assistant" in card and f'subfolder="ssm-{i}"' in card
+        assert "SSMPool.from_pretrained" in card
+    readme = (out / "README.md").read_text()
+    assert "0.812" in readme and "| `ssm-1` | 2 |" in readme
+
+
+def test_manifest_fields(exported: tuple[Path, Path], tiny: tuple[Path, list[Path]]) -> None:
+    _, out = exported
+    manifest = read(out / MANIFEST_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(tiny[0])
+    assert manifest["format_version"] == 1
+    assert manifest["llm"] == {
+        "name_or_path": str(tiny[0]),
+        "vocab_size": len(tokenizer),
+        "tokenizer_vocab_hash": tokenizer_vocab_hash(tokenizer),
+    }
+    assert [(s["path"], s["round"]) for s in manifest["ssms"]] == [("ssm-0", 1), ("ssm-1", 2)]
+    assert manifest["ssms"][1]["held_out_acceptance"] == ROUNDS[1]["held_out_acceptance"]
+    assert manifest["weights"] == [0.5, 0.5]
+    assert manifest["predictor"] is None and manifest["hardware_profile"] is None
+    assert manifest["base"] == BASE and manifest["marking"] == "sample"
+
+
+def test_predictor_and_hardware_profile_are_carried(tmp_path: Path, tiny: tuple[Path, list[Path]]) -> None:
+    boost = make_boost(tmp_path, tiny)
+    (boost / "predictor").mkdir()
+    (boost / "predictor" / "weights.safetensors").write_bytes(b"x")
+    (boost / "hardware_profile.json").write_text('{"verify_ms": [1.0]}')
+    record = read(boost / export.RECORD_FILE)
+    (boost / export.RECORD_FILE).write_text(json.dumps({**record, "base": "config:tenth"}))
+    manifest = export.export_pool(boost, tmp_path / "out")
+    card = (tmp_path / "out" / "ssm-0" / "README.md").read_text()
+    assert "base_model:" not in card and "fresh Llama" in card  # boost's "config:PRESET": no hub base
+    assert manifest["predictor"] == {"path": "predictor"}
+    assert manifest["hardware_profile"] == {"path": "hardware_profile.json"}
+    assert (tmp_path / "out" / "predictor" / "weights.safetensors").is_file()
+    assert read(tmp_path / "out" / "hardware_profile.json") == {"verify_ms": [1.0]}
+
+
+def test_failure_mid_export_leaves_no_partial_folder(
+    tmp_path: Path, tiny: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    boost, out = make_boost(tmp_path, tiny), tmp_path / "exports" / "pool"
+    real = export.export_ssm
+
+    def fail_on_second(*args: Any) -> None:
+        if args[3] == 1:
+            raise RuntimeError("disk full")
+        real(*args)
+
+    monkeypatch.setattr(export, "export_ssm", fail_on_second)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export.export_pool(boost, out)
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    # An earlier export survives a failed re-export untouched.
+    monkeypatch.setattr(export, "export_ssm", real)
+    export.export_pool(boost, out)
+    before = (out / MANIFEST_FILE).read_text()
+    monkeypatch.setattr(export, "export_ssm", fail_on_second)
+    with pytest.raises(RuntimeError):
+        export.export_pool(boost, out)
+    assert (out / MANIFEST_FILE).read_text() == before and (out / "ssm-1" / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["pool"]
+
+
+def test_export_refuses_foreign_folder_and_missing_record(
+    tmp_path: Path, tiny: tuple[Path, list[Path]]
+) -> None:
+    boost = make_boost(tmp_path, tiny)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not an exported SSM pool"):
+        export.export_pool(boost, tmp_path / "mine")
+    (boost / export.RECORD_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=r"boost_record\.json is missing"):
+        export.export_pool(boost, tmp_path / "out")
+
+
+# ---------------------------------------------------------------- SSMPool
+
+
+def test_pool_round_trip_and_decoding(exported: tuple[Path, Path], tiny: tuple[Path, list[Path]]) -> None:
+    _, out = exported
+    llm_dir, ssm_dirs = tiny
+    pool = SSMPool.from_pretrained(out)
+    assert len(pool) == 2 and list(pool) == pool.models and pool.weights == [0.5, 0.5]
+    ids = torch.randint(4, 260, (1, 12))
+    for model, ssm_dir in zip(pool, ssm_dirs, strict=True):
+        original = AutoModelForCausalLM.from_pretrained(ssm_dir).eval()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, original(ids).logits)
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llm_dir)
+    pool.check_llm(llm, tokenizer)
+    decoder = SpeculativeDecoder(llm, ssms=pool, tokenizer=tokenizer)
+    result = decoder.generate(ids, max_new_tokens=24)
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    assert torch.equal(result.sequences, expected)
+    assert result.stats.accepted_tokens > 0
+
+
+def test_check_llm_mismatch(exported: tuple[Path, Path], tiny: tuple[Path, list[Path]]) -> None:
+    pool = SSMPool.from_pretrained(exported[1])
+    with pytest.raises(ValueError, match=r"vocabulary mismatch: .*\(260 tokens\).* predicts 64"):
+        pool.check_llm(tiny_llama())
+    llm = AutoModelForCausalLM.from_pretrained(tiny[0])
+    other = build_tokenizer()
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"tokenizer mismatch.*vocab hash sha256:"):
+        pool.check_llm(llm, other)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):  # the decoder checks the pool's tokenizer too
+        SpeculativeDecoder(llm, ssms=pool, tokenizer=other)
+
+
+def test_pool_missing_folder_manifest_ssm(
+    tmp_path: Path, exported: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(FileNotFoundError, match="folder does not exist"):
+        SSMPool.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"{MANIFEST_FILE} is missing"):
+        SSMPool.from_pretrained(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    shutil.copytree(exported[1], broken)
+    shutil.rmtree(broken / "ssm-1")
+    with pytest.raises(FileNotFoundError, match="lists SSM 'ssm-1'"):
+        SSMPool.from_pretrained(broken)
+
+    def offline(repo_id: str, **kwargs: Any) -> str:
+        raise OSError("offline mode is enabled")
+
+    monkeypatch.setattr(pool_module, "snapshot_download", offline)
+    with pytest.raises(OSError, match=r"could not download the SSM pool 'org/pool'.*offline"):
+        SSMPool.from_pretrained("org/pool")
+
+
+def test_pool_from_hub_id_uses_snapshot(exported: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+
+    def snapshot(repo_id: str, **kwargs: Any) -> str:
+        asked.append(repo_id)
+        return str(exported[1])
+
+    monkeypatch.setattr(pool_module, "snapshot_download", snapshot)
+    assert len(SSMPool.from_pretrained("org/pool")) == 2 and asked == ["org/pool"]
+
+
+# ---------------------------------------------------------------- push
+
+
+class FakeApi:
+    calls: ClassVar[list[tuple[str, tuple, dict]]] = []
+
+    def __init__(self, token: str | None = None) -> None:
+        FakeApi.calls.append(("init", (), {"token": token}))
+
+    def create_repo(self, *args: Any, **kwargs: Any) -> str:
+        FakeApi.calls.append(("create_repo", args, kwargs))
+        return "https://huggingface.co/org/pool"
+
+    def upload_folder(self, *args: Any, **kwargs: Any) -> None:
+        FakeApi.calls.append(("upload_folder", args, kwargs))
+
+
+def test_push_calls_create_repo_and_upload_folder(
+    tmp_path: Path, tiny: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    boost, out = make_boost(tmp_path, tiny), tmp_path / "out"
+    FakeApi.calls = []
+    monkeypatch.delenv("HUB_REPO", raising=False)
+    monkeypatch.setattr(export, "get_token", lambda: "hf_fake")
+    monkeypatch.setattr(export, "HfApi", FakeApi)
+    assert export.main(["--boost", str(boost), "--out", str(out), "--hub-repo", "org/pool"]) == 0
+    names = [c[0] for c in FakeApi.calls]
+    assert names == ["init", "create_repo", "upload_folder"]
+    assert FakeApi.calls[0][2] == {"token": "hf_fake"}
+    _, args, kwargs = FakeApi.calls[1]
+    assert args == ("org/pool",) and kwargs["exist_ok"] is True and kwargs["repo_type"] == "model"
+    upload = FakeApi.calls[2][2]
+    assert upload["folder_path"] == str(out) and upload["repo_id"] == "org/pool"
+    assert 'SSMPool.from_pretrained("org/pool")' in (out / "ssm-0" / "README.md").read_text()
+    # HUB_REPO works like --hub-repo.
+    FakeApi.calls = []
+    monkeypatch.setenv("HUB_REPO", "org/other")
+    assert export.main(["--boost", str(boost), "--out", str(out)]) == 0
+    assert FakeApi.calls[1][1] == ("org/other",)
+
+
+def test_push_without_token_says_how_to_log_in(
+    tmp_path: Path,
+    tiny: tuple[Path, list[Path]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    boost, out = make_boost(tmp_path, tiny), tmp_path / "out"
+    FakeApi.calls = []
+    monkeypatch.delenv("HUB_REPO", raising=False)
+    monkeypatch.setattr(export, "get_token", lambda: None)
+    monkeypatch.setattr(export, "HfApi", FakeApi)
+    assert export.main(["--boost", str(boost), "--out", str(out), "--hub-repo", "org/pool"]) == 2
+    assert "hf auth login" in capsys.readouterr().err
+    assert FakeApi.calls == [] and not out.exists()
+    with pytest.raises(RuntimeError, match="HF_TOKEN"):
+        export.require_token()
