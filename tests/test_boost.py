@@ -1,0 +1,331 @@
+"""Boost-tuning (ALGORITHMS.md 4): marking rules, the round loop, output contract, resume, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from specboost.training import boost as boost_module
+from specboost.training.boost import (
+    BoostConfig,
+    boost,
+    hits_from_logits,
+    main,
+    mark,
+    match_lengths,
+    sample_marked,
+    span_marked,
+    split_held_out,
+)
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = [f"w{i}" for i in range(28)]
+VOCAB = len(SPECIAL) + len(WORDS)
+
+
+def save_tokenizer(folder: Path, words: list[str]) -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(SPECIAL + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+def save_llama(folder: Path, vocab: int, hidden: int = 32, layers: int = 2) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+@pytest.fixture
+def llm(tmp_path: Path) -> str:
+    folder = tmp_path / "llm"
+    save_llama(folder, VOCAB)
+    save_tokenizer(folder, WORDS)
+    return str(folder)
+
+
+def write_distilled(folder: Path, rows: list[tuple[list[int], list[int]]]) -> str:
+    """A distill run folder by hand: data.parquet rows in distill's schema, all kept."""
+    folder.mkdir(parents=True)
+    table = [
+        {
+            "id": i,
+            "prompt": "",
+            "prompt_ids": p,
+            "output_ids": o,
+            "output": "",
+            "finish_reason": "length",
+            "filter": "",
+        }
+        for i, (p, o) in enumerate(rows)
+    ]
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("prompt", pa.string()),
+            ("prompt_ids", pa.list_(pa.int64())),
+            ("output_ids", pa.list_(pa.int64())),
+            ("output", pa.string()),
+            ("finish_reason", pa.string()),
+            ("filter", pa.string()),
+        ]
+    )
+    pq.write_table(pa.Table.from_pylist(table, schema=schema), folder / "data.parquet")
+    return str(folder)
+
+
+@pytest.fixture
+def distilled(tmp_path: Path) -> str:
+    """Sixteen samples: half follow a trivially learnable rule (output = a repeated token), half not."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(16):
+        prompt = [1, *torch.randint(4, VOCAB, (3,), generator=g).tolist()]
+        output = [5] * 6 if i % 2 == 0 else torch.randint(4, VOCAB, (6,), generator=g).tolist()
+        rows.append((prompt, output))
+    return write_distilled(tmp_path / "distilled", rows)
+
+
+def config(llm: str, distilled: str, **kwargs) -> BoostConfig:
+    settings = {
+        "num_ssms": 2,
+        "ssm_config": "tenth",
+        "max_steps": 4,
+        "batch_size": 4,
+        "learning_rate": 5e-3,
+        "warmup_steps": 0,
+        "save_steps": 2,
+        "held_out_fraction": 0.25,
+    }
+    return BoostConfig(llm=llm, distilled=distilled, **{**settings, **kwargs})
+
+
+class SimulatedKill(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- marking rules on hand-made cases
+
+
+def test_hits_from_hand_made_logits_mark_the_reproduced_sample() -> None:
+    # rows: prompt [1, 7] + output; A = [4, 5, 6] is predicted everywhere, B = [4, 9, 6] is not at k=1.
+    ids = torch.tensor([[1, 7, 4, 5, 6], [1, 7, 4, 9, 6]])  # [B, T]
+    predicted = torch.tensor([[0, 4, 5, 6, 0], [0, 4, 5, 6, 0]])  # the argmax after each position
+    logits = torch.nn.functional.one_hot(predicted, 10).float()  # [B, T, V]
+    a, b = hits_from_logits(logits, ids, [2, 2], [3, 3])
+    assert a.tolist() == [True, True, True] and b.tolist() == [True, False, True]
+    assert sample_marked(a) and not sample_marked(b)
+
+
+def test_span_marking_and_match_lengths() -> None:
+    hits = torch.tensor([True, True, False, True, True, True])
+    assert span_marked(hits, 2).tolist() == [True, False, False, True, True, True]  # tail: what is left
+    assert span_marked(hits, 3).tolist() == [False, False, False, True, True, True]
+    assert match_lengths(hits, 4).tolist() == [2, 1, 0, 3, 2, 1]
+
+
+def test_mark_removes_samples_or_masks_positions() -> None:
+    hits = {0: torch.tensor([True, True]), 1: torch.tensor([True, False, True])}
+    masked, removed = {}, set()
+    assert mark(BoostConfig(llm="x", distilled="y"), hits, masked, removed) == 1
+    assert removed == {0} and masked == {}
+    masked, removed = {}, set()
+    assert mark(BoostConfig(llm="x", distilled="y", marking="span", span_depth=2), hits, masked, removed) == 3
+    assert removed == {0} and masked == {0: {0, 1}, 1: {2}}
+
+
+def test_held_out_split_is_seeded_and_leaves_training_data() -> None:
+    rows = [{"id": i} for i in range(20)]
+    assert split_held_out(rows, 0.25, 0) == split_held_out(rows, 0.25, 0)
+    assert len(split_held_out(rows, 0.25, 0)) == 5
+    assert len(split_held_out(rows[:2], 0.9, 0)) == 1
+
+
+# ---------------------------------------------------------------- the round loop and its outputs
+
+
+def test_round_loop_trains_later_ssms_on_unmarked_samples_only(
+    llm: str, distilled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained_on: list[int] = []
+    real_train = boost_module.train_round
+    real_hits = boost_module.output_hits
+
+    def spy_train(cfg, i, train_set, *args):
+        trained_on.append(len(train_set))
+        return real_train(cfg, i, train_set, *args)
+
+    def rigged_hits(model, rows, pad_id, batch_size, desc):
+        hits = real_hits(model, rows, pad_id, batch_size, desc)
+        if desc.endswith("mark"):  # pretend SSM 0 reproduces exactly the even-id samples
+            hits = {k: torch.full_like(h, k % 2 == 0) for k, h in hits.items()}
+        return hits
+
+    monkeypatch.setattr(boost_module, "train_round", spy_train)
+    monkeypatch.setattr(boost_module, "output_hits", rigged_hits)
+    out = tmp_path / "pool"
+    record = boost(config(llm, distilled), out)
+    held = set(record["held_out_ids"])
+    train_ids = [i for i in range(16) if i not in held]
+    odd = [i for i in train_ids if i % 2]
+    assert trained_on == [len(train_ids), len(odd)]
+    assert record["rounds"][0]["marked"] == len(train_ids) - len(odd)
+    assert record["rounds"][1]["train_samples"] == len(odd)
+    state = json.loads((out / "boost_state.json").read_text())
+    assert set(state["removed"]) >= {i for i in train_ids if i % 2 == 0}
+    assert held.isdisjoint(state["removed"])
+
+
+def test_output_contract(llm: str, distilled: str, tmp_path: Path) -> None:
+    out = tmp_path / "pool"
+    record = boost(config(llm, distilled, marking="span", span_depth=2), out)
+    on_disk = json.loads((out / "boost_record.json").read_text())
+    assert on_disk["rounds"] == record["rounds"] and on_disk["marking"] == "span"
+    assert {"llm", "distilled", "base", "marking", "rounds", "held_out_ids", "seed", "versions"} <= set(
+        on_disk
+    )
+    assert (out / "coverage.png").stat().st_size > 0
+    coverages = [r["pool_coverage"] for r in record["rounds"]]
+    assert coverages == sorted(coverages)  # the union only grows
+    for r in record["rounds"]:
+        keys = {
+            "ssm",
+            "path",
+            "train_samples",
+            "marked",
+            "held_out_acceptance",
+            "held_out_mean_match_length",
+            "pool_coverage",
+            "steps",
+            "final_loss",
+        }
+        assert keys <= set(r) and r["steps"] == 4
+        assert 0 <= r["held_out_acceptance"] <= 1 and 0 <= r["held_out_mean_match_length"] <= 4
+        model = AutoModelForCausalLM.from_pretrained(out / r["path"])
+        assert model.config.vocab_size == VOCAB
+        assert (
+            AutoTokenizer.from_pretrained(out / r["path"]).get_vocab()
+            == AutoTokenizer.from_pretrained(llm).get_vocab()
+        )
+
+
+def test_kill_after_round_one_resumes_to_the_same_record(
+    llm: str, distilled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = config(llm, distilled)
+    reference = boost(cfg, tmp_path / "reference")
+    real_train = boost_module.train_round
+    calls: list[int] = []
+    kill = [True]
+
+    def dying_train(cfg, i, *args):
+        calls.append(i)
+        if i == 1 and kill and kill.pop():
+            raise SimulatedKill("killed after round 0")
+        return real_train(cfg, i, *args)
+
+    monkeypatch.setattr(boost_module, "train_round", dying_train)
+    out = tmp_path / "pool"
+    with pytest.raises(SimulatedKill):
+        boost(cfg, out)
+    assert len(json.loads((out / "boost_state.json").read_text())["rounds"]) == 1
+    calls.clear()
+    resumed = boost(cfg, out)
+    assert calls == [1]  # round 0 was skipped
+    assert len(resumed["rounds"]) == len(reference["rounds"]) == 2
+    for got, want in zip(resumed["rounds"], reference["rounds"], strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), key
+    assert resumed["held_out_ids"] == reference["held_out_ids"]
+
+
+def test_a_partly_finished_round_resumes_from_its_checkpoint(
+    llm: str, distilled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = config(llm, distilled, num_ssms=1)
+    reference = boost(cfg, tmp_path / "reference")
+    real_save, real_last = boost_module.save_ssm, boost_module.last_checkpoint
+    resumed_from: list[Path | None] = []
+
+    def dying_save(*args):
+        raise SimulatedKill("killed before the SSM was saved")
+
+    monkeypatch.setattr(boost_module, "save_ssm", dying_save)
+    with pytest.raises(SimulatedKill):
+        boost(cfg, tmp_path / "pool")
+    monkeypatch.setattr(boost_module, "save_ssm", real_save)
+    monkeypatch.setattr(
+        boost_module, "last_checkpoint", lambda p: resumed_from.append(real_last(p)) or real_last(p)
+    )
+    record = boost(cfg, tmp_path / "pool")
+    assert resumed_from[0] is not None and resumed_from[0].name == "checkpoint-4"
+    assert record["rounds"][0]["steps"] == 4
+    assert record["rounds"][0]["marked"] == reference["rounds"][0]["marked"]
+    assert record["rounds"][0]["pool_coverage"] == pytest.approx(reference["rounds"][0]["pool_coverage"])
+
+
+def test_lora_and_a_given_base(llm: str, distilled: str, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    save_llama(base, VOCAB, hidden=16, layers=1)
+    record = boost(
+        config(llm, distilled, num_ssms=1, ssm_base=str(base), lora=True, lora_rank=4), tmp_path / "p"
+    )
+    assert record["base"] == str(base)
+    state = AutoModelForCausalLM.from_pretrained(tmp_path / "p" / "ssm-0").state_dict()
+    assert not any("lora" in name for name in state)  # merged
+
+
+# ---------------------------------------------------------------- errors a user can cause
+
+
+def test_vocab_mismatch_is_refused(llm: str, distilled: str, tmp_path: Path) -> None:
+    base = tmp_path / "other"
+    save_llama(base, VOCAB + 8, hidden=16, layers=1)
+    with pytest.raises(ValueError, match="vocabulary of 40 tokens but the LLM has 32"):
+        boost(config(llm, distilled, ssm_base=str(base)), tmp_path / "p")
+    save_llama(base, VOCAB, hidden=16, layers=1)
+    save_tokenizer(base, list(reversed(WORDS)))
+    with pytest.raises(ValueError, match="tokenizer maps tokens to other ids"):
+        boost(config(llm, distilled, ssm_base=str(base)), tmp_path / "p")
+
+
+def test_empty_distilled_data_is_refused(llm: str, tmp_path: Path) -> None:
+    empty = write_distilled(tmp_path / "empty", [])
+    with pytest.raises(ValueError, match="no usable distilled samples"):
+        boost(config(llm, empty), tmp_path / "p")
+    assert main(["--distilled", empty, "--llm", llm, "--out", str(tmp_path / "p")]) == 2
+
+
+def test_other_settings_are_refused_on_resume(llm: str, distilled: str, tmp_path: Path) -> None:
+    boost(config(llm, distilled, num_ssms=1), tmp_path / "p")
+    with pytest.raises(ValueError, match="other settings"):
+        boost(config(llm, distilled, num_ssms=1, marking="span"), tmp_path / "p")
