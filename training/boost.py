@@ -43,7 +43,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import sys
@@ -52,7 +51,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import accelerate
 import datasets
 import peft
 import torch
@@ -75,6 +73,7 @@ from transformers import (
 from specboost.speculator.model_info import check_model_location
 from specboost.training.distill import load_distilled
 from specboost.training.reference_llm import last_checkpoint
+from specboost.training.run_files import library_versions, write_json_atomic
 
 STATE_FILE, RECORD_FILE, PLOT_FILE = "boost_state.json", "boost_record.json", "coverage.png"
 MARKINGS = ("sample", "span")
@@ -490,12 +489,6 @@ def held_out_scores(hits: dict[int, torch.Tensor], pool_hits: dict[int, torch.Te
 # ---------------------------------------------------------------- state, record, plot
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def load_state(out: Path, identity: dict[str, Any], held_out_ids: list[int]) -> dict[str, Any]:
     """The run's state: a fresh one, or the saved one if it was made with the same settings and data."""
     path = out / STATE_FILE
@@ -532,17 +525,6 @@ def plot_coverage(rounds: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def versions() -> dict[str, str]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "datasets": datasets.__version__,
-        "accelerate": accelerate.__version__,
-        "peft": peft.__version__,
-    }
-
-
 def write_outputs(config: BoostConfig, state: dict[str, Any], out: Path) -> dict[str, Any]:
     record = {
         "llm": config.llm,
@@ -556,7 +538,7 @@ def write_outputs(config: BoostConfig, state: dict[str, Any], out: Path) -> dict
         "held_out_ids": state["held_out_ids"],
         "seed": config.seed,
         "config": asdict(config),
-        "versions": versions(),
+        "versions": library_versions(),
     }
     write_json_atomic(out / RECORD_FILE, record)
     plot_coverage(state["rounds"], out / PLOT_FILE)

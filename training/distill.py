@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import re
 import sys
 import time
@@ -37,8 +36,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import accelerate
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -56,6 +53,7 @@ from specboost.training.data import (
     load_prompt_splits,
     tokenize_prompts,
 )
+from specboost.training.run_files import library_versions, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +148,6 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
 
 
 # ---------------------------------------------------------------- run folder, shards, resume
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def claim_run_folder(out: Path, identity: dict[str, Any]) -> None:
@@ -362,16 +354,6 @@ def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> 
     return ds if keep_filtered else ds.filter(lambda reason: reason == "", input_columns="filter")
 
 
-def versions() -> dict[str, str]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "datasets": datasets.__version__,
-        "accelerate": accelerate.__version__,
-    }
-
-
 # ---------------------------------------------------------------- run
 
 
@@ -443,7 +425,7 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
         },
         "processes": accelerator.num_processes,
         "wall_time_s": round(time.time() - started, 1),
-        "versions": versions(),
+        "versions": library_versions(),
     }
     write_json_atomic(out / METADATA_FILE, metadata)
     c = metadata["counts"]

@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import time
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import tokenizers
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -55,6 +53,8 @@ from transformers import (
     TrainingArguments,
     default_data_collator,
 )
+
+from specboost.training.run_files import library_versions, write_json_atomic
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3, as in decoder/tiny_models.py
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus"  # the repository's copy
@@ -328,12 +328,6 @@ def last_checkpoint(checkpoints: Path) -> Path | None:
 # ---------------------------------------------------------------- save and record
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def run_identity(config: ReferenceLLMConfig, seed: int, data: dict[str, list[CorpusFile]]) -> dict[str, Any]:
     """What checkpoints must share to be resumed (max_steps may grow between runs)."""
     settings = {k: v for k, v in asdict(config).items() if k != "max_steps"}
@@ -367,16 +361,6 @@ def save_final(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, reco
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
-
-
-def versions() -> dict[str, str]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "datasets": datasets.__version__,
-    }
 
 
 # ---------------------------------------------------------------- train
@@ -450,7 +434,7 @@ def make_record(
         "wall_time_s": round(time.time() - started, 1),
         "device": str(trainer.args.device),
         "threads": torch.get_num_threads(),
-        "versions": versions(),
+        "versions": library_versions(),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
