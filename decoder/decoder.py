@@ -27,6 +27,9 @@ from specboost.speculator.shapes import DraftShape
 from specboost.speculator.speculation import PoolSpeculator, Speculator
 from specboost.speculator.tree import TokenTree
 
+# Generation options the decoder does not implement, with the value that leaves them off.
+_UNSUPPORTED_OPTIONS = {"repetition_penalty": 1.0, "num_beams": 1, "min_p": 0.0, "no_repeat_ngram_size": 0}
+
 
 @dataclass
 class SpeculativeOutput:
@@ -100,12 +103,9 @@ class SpeculativeDecoder:
             top_k=int(merged.get("top_k", 0)),
             top_p=float(merged.get("top_p", 1.0)),
         )
-        for unsupported in ("repetition_penalty", "num_beams", "min_p", "no_repeat_ngram_size"):
-            default = 1 if unsupported in ("repetition_penalty", "num_beams") else None
-            if merged.get(unsupported, default) not in (default, 0, 0.0):
-                raise ValueError(
-                    f"{unsupported}={merged[unsupported]!r} is not supported by SpeculativeDecoder"
-                )
+        for name, neutral in _UNSUPPORTED_OPTIONS.items():
+            if merged.get(name, neutral) != neutral:
+                raise ValueError(f"{name}={merged[name]!r} is not supported by SpeculativeDecoder")
         max_new_tokens = merged.get("max_new_tokens")
         if max_new_tokens is None:
             raise ValueError("set max_new_tokens (the number of tokens to generate)")
