@@ -24,7 +24,7 @@ from specboost.decoder.verifiers import StairsVerifier, TreeVerifier, Verifier
 from specboost.decoder.verify import Rule
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import DraftShape
-from specboost.speculator.speculation import PoolSpeculator, Speculator
+from specboost.speculator.speculation import DraftRequest, PoolSpeculator, Speculator, StepFeedback
 from specboost.speculator.tree import TokenTree
 
 # Generation options the decoder does not implement, with the value that leaves them off.
@@ -187,12 +187,14 @@ class SpeculativeDecoder:
         stats = DecodeStats()
         with timer.phase("other"):
             self.speculator.reset(seed)
-            target = TargetState(self.llm, prompt)
+            target = TargetState(self.llm, prompt, keep_hidden=self.speculator.wants_hidden)
         while stop.finish_reason is None:
             # 1. Draft a token tree (no deeper than the tokens still wanted or the context allows).
             with timer.phase("draft"):
-                tree = self.speculator.propose(target.tokens, self._max_depth(target, stop), probs)
+                request = DraftRequest(target.tokens, self._max_depth(target, stop), probs, target.hidden)
+                tree = self.speculator.propose(request)
             # 2. Verify it in one LLM pass; the LLM cache keeps prefix + accepted path.
+            verify_start = timer.seconds["verify"]
             with timer.phase("verify"):
                 verdict = self.verifier.verify(target, tree, probs, generator)
             with timer.phase("other"):
@@ -200,7 +202,9 @@ class SpeculativeDecoder:
                 emitted = [tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
                 target.append(stop.extend(emitted))
                 # 4. Feedback to the strategy, and statistics.
-                self.speculator.observe(tree, verdict.accepted)
+                self.speculator.observe(
+                    StepFeedback(tree, verdict.accepted, timer.seconds["verify"] - verify_start)
+                )
                 _record_step(stats, tree, verdict.accepted)
                 if self.max_positions is not None and len(target.tokens) > self.max_positions:
                     stop.finish_reason = stop.finish_reason or "length"
@@ -208,6 +212,7 @@ class SpeculativeDecoder:
         stats.time_draft, stats.time_verify = timer.seconds["draft"], timer.seconds["verify"]
         stats.time_other = timer.seconds["other"]
         stats.time_total = time.perf_counter() - start
+        stats.strategy = self.speculator.report()
         sequences = torch.tensor([target.tokens], dtype=torch.long, device=self.llm.device)
         return SpeculativeOutput(sequences, stats, stop.finish_reason)
 

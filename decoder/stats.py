@@ -24,6 +24,7 @@ class DecodeStats:
     time_verify: float = 0.0
     time_other: float = 0.0
     time_total: float = 0.0
+    strategy: dict = field(default_factory=dict)  # the speculation strategy's own record (Speculator.report)
 
     @property
     def tokens_per_step(self) -> float:

@@ -94,13 +94,20 @@ class StairsVerifier:
             input_ids[i, : i + 1] = torch.tensor(chain[: i + 1])
             mask[i, p : p + i + 1] = 1
         target.cache.batch_repeat_interleave(rows)
-        logits = llm(
-            input_ids=input_ids, attention_mask=mask, past_key_values=target.cache, use_cache=True
-        ).logits
-        choices = logits[torch.arange(rows), torch.arange(rows)].argmax(-1).tolist()  # row i: after x1..xi
+        out = llm(
+            input_ids=input_ids,
+            attention_mask=mask,
+            past_key_values=target.cache,
+            use_cache=True,
+            output_hidden_states=target.keep_hidden,
+        )
+        # Row i: the LLM's choice after x1..xi.
+        choices = out.logits[torch.arange(rows), torch.arange(rows)].argmax(-1).tolist()
         target.cache.batch_select_indices(torch.tensor([rows - 1], device=llm.device))
         accepted = 0
         while accepted < rows - 1 and chain[accepted + 1] == choices[accepted]:
             accepted += 1
+        if target.keep_hidden:
+            target.hidden = out.hidden_states[-1][accepted, accepted]
         compact_cache(target.cache, list(range(p + 1 + accepted)))
         return Verdict(list(range(1, accepted + 1)), choices[accepted])

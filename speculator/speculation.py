@@ -7,6 +7,7 @@ learned scheduler) plug in without touching the loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -18,8 +19,31 @@ from specboost.speculator.shapes import ChainShape, DraftShape
 from specboost.speculator.tree import DraftKind, TokenTree, merge_trees
 
 
+@dataclass
+class DraftRequest:
+    """What the decoder asks for in one step."""
+
+    verified: list[int]  # prompt + every verified token; the last one is the tree's root
+    max_depth: int  # deeper drafts are wasted: tokens still wanted, context left
+    probs: LogitsToProbs  # logits -> the sampling distribution (q for the SSMs)
+    # The LLM's last-layer hidden state [H] at the token before the root (the state that chose
+    # the root; free, as the last verify pass computed it). Only for strategies with wants_hidden,
+    # and None when no such state exists yet (a one-token prompt).
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class StepFeedback:
+    """What the LLM made of the last proposed tree."""
+
+    tree: TokenTree
+    accepted: list[int]  # accepted node indices, root excluded, in path order
+    verify_seconds: float  # wall time of the LLM verification pass
+
+
 class Speculator(Protocol):
     num_ssms: int
+    wants_hidden: bool  # whether `propose` needs `DraftRequest.hidden`
 
     def tree_kind(self, do_sample: bool) -> DraftKind:
         """The kind of tree `propose` returns, so the decoder can pick a lossless rule up front."""
@@ -27,11 +51,14 @@ class Speculator(Protocol):
     def reset(self, seed: int | None) -> None:
         """Forget all per-sequence state (caches); called at the start of every `generate`."""
 
-    def propose(self, verified: list[int], max_depth: int, probs: LogitsToProbs) -> TokenTree:
-        """Draft a tree after `verified`, at most `max_depth` deep."""
+    def propose(self, request: DraftRequest) -> TokenTree:
+        """Draft a tree after `request.verified`, at most `request.max_depth` deep."""
 
-    def observe(self, tree: TokenTree, accepted: list[int]) -> None:
-        """Feedback: the accepted nodes of the last proposed tree."""
+    def observe(self, feedback: StepFeedback) -> None:
+        """Feedback on the last proposed tree."""
+
+    def report(self) -> dict:
+        """Strategy-specific statistics of the last `generate` (JSON-ready), for `DecodeStats.strategy`."""
 
 
 class PoolSpeculator:
@@ -43,6 +70,7 @@ class PoolSpeculator:
         self.drafters = [SSMDrafter(model, i) for i, model in enumerate(ssms)]
         self.shape = shape or ChainShape()
         self.num_ssms = len(ssms)
+        self.wants_hidden = False
         self._generators: list[torch.Generator | None] = [None] * len(ssms)
 
     def tree_kind(self, do_sample: bool) -> DraftKind:
@@ -56,12 +84,15 @@ class PoolSpeculator:
             for d in self.drafters
         ]
 
-    def propose(self, verified: list[int], max_depth: int, probs: LogitsToProbs) -> TokenTree:
+    def propose(self, request: DraftRequest) -> TokenTree:
         trees = [
-            drafter.draft(verified, self.shape, probs, max_depth, gen)
+            drafter.draft(request.verified, self.shape, request.probs, request.max_depth, gen)
             for drafter, gen in zip(self.drafters, self._generators, strict=True)
         ]
         return trees[0] if len(trees) == 1 else merge_trees(trees)
 
-    def observe(self, tree: TokenTree, accepted: list[int]) -> None:
+    def observe(self, feedback: StepFeedback) -> None:
         """The pool strategy keeps no state across steps beyond the SSM caches."""
+
+    def report(self) -> dict:
+        return {"strategy": "pool", "shape": repr(self.shape)}
