@@ -28,12 +28,26 @@ BOOST_FLAGS ?=
 EXPORT_BOOST ?= $(ARTIFACTS)/pool
 EXPORT_OUT ?= $(ARTIFACTS)/pool-export
 HUB_REPO ?=
+# Learned scheduler: labels from distilled data of a prompt set the pool never trained on, the
+# predictor and the hardware profile go into the boost run (so `make export` ships them).
+SCHED_LLM ?= $(BOOST_LLM)
+SCHED_POOL ?= $(BOOST_OUT)
+SCHED_PROMPTS ?= gutenberg_openings
+SCHED_DISTILLED ?= $(ARTIFACTS)/distill/$(SCHED_PROMPTS)
+PREDICTOR_DATA ?= $(ARTIFACTS)/predictor-data
+PREDICTOR_DATA_FLAGS ?= --threads 1
+SCHED_EVAL_FLAGS ?= --max-prompts 8 --max-new-tokens 64 --repeats 3 --threads 1
 # demo: the whole offline loop on the tiny reference LLM, then a decoding comparison on
 # held-out in-domain prompts (Gutenberg books kept out of the corpus).
 DEMO_BOOST_FLAGS ?= --max-steps 400
 DEMO_BENCH_FLAGS ?= --max-new-tokens 64 --max-prompts 8 --repeats 3 --warmup 1 --threads 1
+# check-deepspeed: DeepSpeed (the optional `deepspeed` extra) lives in its own venv, never in .venv or CI's.
+DS_VENV  := .venv-deepspeed
+DS_BIN   := $(DS_VENV)/bin
+DS_STAMP := $(DS_VENV)/.installed
 
-.PHONY: install test lint format example bench-decoder reference-llm distill boost export demo clean
+.PHONY: install test lint format example bench-decoder reference-llm distill boost export demo check-deepspeed clean \
+	predictor-data predictor profile scheduler-eval
 
 install: $(STAMP)
 
@@ -83,6 +97,26 @@ export: $(STAMP)
 boost: $(STAMP)
 	$(BIN)/python -m specboost.training.boost --distilled $(BOOST_DISTILLED) --llm $(BOOST_LLM) --out $(BOOST_OUT) $(BOOST_FLAGS)
 
+# Labels for the match-length predictor (resumable): distills SCHED_PROMPTS first if needed.
+predictor-data: $(STAMP)
+	$(MAKE) distill DISTILL_LLM=$(SCHED_LLM) DISTILL_PROMPTS=$(SCHED_PROMPTS)
+	$(BIN)/python -m specboost.training.predictor_data --llm $(SCHED_LLM) --ssm $(SCHED_POOL)/ssm-* \
+		--distilled $(SCHED_DISTILLED) --out $(PREDICTOR_DATA) $(PREDICTOR_DATA_FLAGS)
+
+# The 3-layer MLP predictor, into the boost run folder (SCHED_POOL/predictor).
+predictor: $(STAMP)
+	$(BIN)/python -m specboost.training.train_predictor --labels $(PREDICTOR_DATA) --out $(SCHED_POOL)/predictor
+
+# Verify / speculation latencies of this machine, into SCHED_POOL/hardware_profile.json.
+profile: $(STAMP)
+	$(BIN)/specboost profile --llm $(SCHED_LLM) --ssm $(SCHED_POOL)/ssm-* --out $(SCHED_POOL)/hardware_profile.json --threads 1
+
+# Learned scheduler vs every fixed beam shape vs the oracle, on held-out prompts (exports the pool first).
+scheduler-eval: $(STAMP)
+	$(MAKE) export EXPORT_BOOST=$(SCHED_POOL)
+	$(BIN)/python -m specboost.decoder.scheduler_eval --llm $(SCHED_LLM) --pool $(EXPORT_OUT) \
+		--prompts $(SCHED_PROMPTS) $(SCHED_EVAL_FLAGS) --out $(ARTIFACTS)/scheduler-eval
+
 # From a fresh clone, nothing downloaded: reference LLM (tiny) -> distill -> boost -> export ->
 # tokens/step and speedup of the pool vs the LLM alone (and HF assisted generation).
 demo: $(STAMP)
@@ -92,6 +126,22 @@ demo: $(STAMP)
 	$(MAKE) export EXPORT_BOOST=$(BOOST_OUT)
 	$(BIN)/specboost bench --llm $(ARTIFACTS)/reference-llm/tiny/model --ssm $(BOOST_OUT)/ssm-* \
 		--prompts data/prompts/gutenberg_openings.txt $(DEMO_BENCH_FLAGS) --out $(ARTIFACTS)/demo-bench
+
+# torch first and pinned again beside the extra, so that pip keeps the local CPU wheel (DeepSpeed
+# only asks for torch>=2); DeepSpeed's setup is run against that torch (no build isolation), and
+# DS_ACCELERATOR=cpu keeps it from adding GPU packages.
+$(DS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DS_VENV)
+	$(DS_BIN)/pip install --quiet --upgrade pip
+	$(DS_BIN)/pip install --quiet torch==2.13.0
+	DS_ACCELERATOR=cpu $(DS_BIN)/pip install --quiet --no-build-isolation -e '.[dev,deepspeed]' torch==2.13.0
+	touch $(DS_STAMP)
+
+# Boost-tuning under the shipped ZeRO-2 and ZeRO-3 configs (2 processes, on the CPU here) on tiny
+# models, checked (training/check_deepspeed.py); DeepSpeed's JIT-built op is kept in the venv.
+check-deepspeed: $(DS_STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_VENV)/torch-extensions HF_HUB_OFFLINE=1 \
+		$(DS_BIN)/python -m specboost.training.check_deepspeed --out $(ARTIFACTS)/deepspeed-check
 
 clean:
 	rm -rf $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis

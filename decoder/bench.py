@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BatchEncoding,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
@@ -248,6 +254,7 @@ class MethodResult:
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     stats: dict | None = None
+    untimed_seconds: float = 0.0  # time inside the run that is not the method's (an oracle's lookahead)
 
 
 @dataclass
@@ -298,7 +305,8 @@ def _our_method(
             # The decoder numbers its own SSMs 0..n-1; report the bench's numbering.
             stats[key] = {ssm_indices[i]: v for i, v in stats[key].items()}
         tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-        return MethodResult(tokens, s.llm_steps, s.draft_tokens, s.accepted_tokens, stats)
+        untimed = s.strategy.get("untimed_seconds", 0.0)  # an oracle's lookahead is not decoding work
+        return MethodResult(tokens, s.llm_steps, s.draft_tokens, s.accepted_tokens, stats, untimed)
 
     return Method(name, description, run)
 
@@ -413,20 +421,35 @@ def _run(config: BenchConfig, log: Callable[[str], None]) -> BenchReport:
     prompts = load_prompts(config.prompts)[: config.max_prompts]
     models = load_models(config.llm, config.ssms, config.tokenizer, config.dtype, config.device)
     methods = build_methods(config, models)
-    device = models.llm.device
-    encoded = [models.tokenizer(p, return_tensors="pt").to(device) for p in prompts]
-    log(f"{len(methods)} methods, {len(prompts)} prompts, {config.repeats} repeats, {config.warmup} warm-up")
+    encoded = [models.tokenizer(p, return_tensors="pt").to(models.llm.device) for p in prompts]
+    records = measure(methods, encoded, config.repeats, config.warmup, log)
+    config_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+    config_json["ssms"] = [str(p) for p in config.ssms]
+    config_json["hf_assisted"] = [_assistant_settings(ssm) for ssm in models.ssms]
+    return BenchReport(config_json, machine_info(config), summarise(methods, records), records)
+
+
+def measure(
+    methods: list[Method],
+    encoded: list[BatchEncoding],
+    repeats: int,
+    warmup: int,
+    log: Callable[[str], None],
+) -> list[RunRecord]:
+    """Run every method on every prompt, interleaved; methods[0] is the reference output."""
+    device = encoded[0].input_ids.device
+    log(f"{len(methods)} methods, {len(encoded)} prompts, {repeats} repeats, {warmup} warm-up")
+    records: list[RunRecord] = []
     with torch.inference_mode():
-        for _ in range(config.warmup):
+        for _ in range(warmup):
             for method in methods:
                 method.run(encoded[0].input_ids, encoded[0].attention_mask)
-        records: list[RunRecord] = []
         for index, enc in enumerate(encoded):
             reference: list[int] | None = None
-            for repeat in range(config.repeats):
+            for repeat in range(repeats):
                 for method in methods:  # interleaved, so drifts in machine speed hit every method alike
                     result, seconds = _timed(method, enc.input_ids, enc.attention_mask, device)
-                    if method.name == "plain" and reference is None:
+                    if method is methods[0] and reference is None:
                         reference = result.tokens
                     records.append(
                         RunRecord(
@@ -435,7 +458,7 @@ def _run(config: BenchConfig, log: Callable[[str], None]) -> BenchReport:
                             repeat=repeat,
                             new_tokens=len(result.tokens),
                             llm_steps=result.llm_steps,
-                            seconds=seconds,
+                            seconds=seconds - result.untimed_seconds,
                             identical_to_plain=result.tokens == reference,
                             draft_tokens=result.draft_tokens,
                             accepted_tokens=result.accepted_tokens,
@@ -443,10 +466,7 @@ def _run(config: BenchConfig, log: Callable[[str], None]) -> BenchReport:
                         )
                     )
             log(f"prompt {index + 1}/{len(encoded)} done")
-    config_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
-    config_json["ssms"] = [str(p) for p in config.ssms]
-    config_json["hf_assisted"] = [_assistant_settings(ssm) for ssm in models.ssms]
-    return BenchReport(config_json, machine_info(config), summarise(methods, records), records)
+    return records
 
 
 # Summary --------------------------------------------------------------------------------------

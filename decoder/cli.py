@@ -1,7 +1,8 @@
-"""The `specboost` command line: `specboost generate ...` and `specboost bench ...`.
+"""The `specboost` command line: `specboost generate ...`, `specboost profile ...` and `specboost bench ...`.
 
     specboost generate --llm artifacts/tiny-models/llm \\
         --ssm artifacts/tiny-models/ssm-0 artifacts/tiny-models/ssm-1 --prompt "Once upon a time"
+    specboost profile --llm PATH --ssm PATH [PATH ...] --out POOL_DIR/hardware_profile.json
     specboost bench --llm PATH --ssm PATH [PATH ...] --prompts data/prompts/bench_prompts.txt --out DIR
 
 Models and tokenizers are loaded from folders written by `save_pretrained`; nothing is downloaded.
@@ -26,7 +27,11 @@ from specboost.decoder.bench import (
     run_bench,
 )
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
+from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.strategies import STRATEGIES
 from specboost.decoder.verify import Rule
+from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
+from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 
 _TOPOLOGY_TEXT = json.dumps([list(level) for level in DEFAULT_TOPOLOGY])
@@ -131,6 +136,48 @@ def build_parser() -> argparse.ArgumentParser:
         "shape) (default: tree)",
     )
 
+    strategy = gen.add_argument_group("strategy")
+    strategy.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="pool",
+        help="pool: every SSM drafts the shape above, trees merged; learned: the learned scheduler picks a "
+        "beam per SSM and step (needs --predictor) (default: pool)",
+    )
+    strategy.add_argument(
+        "--predictor", type=Path, metavar="DIR", help="match-length predictor folder (make predictor)"
+    )
+    strategy.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="hardware_profile.json from `specboost profile` (default: measured on the spot)",
+    )
+    strategy.add_argument(
+        "--force-profile", action="store_true", help="use a profile measured on other hardware"
+    )
+
+    prof = commands.add_parser(
+        "profile", help="measure verify and speculation latencies on this machine (learned scheduler)"
+    )
+    _add_model_options(prof)
+    prof.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="profile file to add this device's entry to, e.g. POOL_DIR/hardware_profile.json",
+    )
+    prof.add_argument("--repeats", type=int, default=5, metavar="N", help="timed rounds (default: 5)")
+    prof.add_argument(
+        "--prefix-length",
+        type=int,
+        default=64,
+        metavar="N",
+        help="cached tokens before the tree (default: 64)",
+    )
+    prof.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default)")
+
     bench = commands.add_parser(
         "bench", help="compare our modes with plain and HF assisted generation on a prompt file (greedy)"
     )
@@ -208,6 +255,13 @@ def format_stats(out: SpeculativeOutput) -> str:
 
 def generate(args: argparse.Namespace) -> int:
     models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
+    predictor = MatchLengthPredictor.from_pretrained(args.predictor) if args.predictor else None
+    if args.strategy == "learned" and predictor is None:
+        raise ValueError("--strategy learned needs --predictor DIR (train one with `make predictor`)")
+    cost_model = None
+    if args.profile is not None:
+        key = device_key(models.llm.device, models.llm.dtype)
+        cost_model = load_cost_model(args.profile, key, args.force_profile)
     decoder = SpeculativeDecoder(
         models.llm,
         models.ssms,
@@ -216,6 +270,9 @@ def generate(args: argparse.Namespace) -> int:
         rule=args.rule,
         verification=args.verification,
         ssm_tokenizers=models.ssm_tokenizers,
+        strategy=args.strategy,
+        predictor=predictor,
+        cost_model=cost_model,
     )
     inputs = models.tokenizer(args.prompt, return_tensors="pt").to(models.llm.device)
     with torch.inference_mode():
@@ -237,6 +294,26 @@ def generate(args: argparse.Namespace) -> int:
     else:
         print(text)
         print(format_stats(out), file=sys.stderr)
+    return 0
+
+
+# profile ----------------------------------------------------------------------------------------
+def profile_command(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
+    cost = profile(
+        models.llm, models.ssms, ProfileConfig(prefix_length=args.prefix_length, repeats=args.repeats)
+    )
+    save_cost_model(cost, args.out)
+    sizes = ", ".join(
+        f"{n}: {t * 1e3:.2f}" for n, t in zip(cost.verify_tokens, cost.verify_seconds, strict=True)
+    )
+    print(f"{cost.device}\nL_verify(n tokens) ms: {sizes}")
+    for i, step in enumerate(cost.ssm_step_seconds):
+        print(f"SSM {i}: one step {step * 1e3:.2f} ms; L_speculate(b, d) ms: ", end="")
+        print(", ".join(f"{k}: {t * 1e3:.2f}" for k, t in cost.speculate_seconds[i].items()))
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -282,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path in (args.llm, *args.ssms):  # fail fast, before anything loads
             check_model_path(path)
-        return generate(args) if args.command == "generate" else bench(args)
+        commands = {"generate": generate, "profile": profile_command, "bench": bench}
+        return commands[args.command](args)
     except (FileNotFoundError, ValueError, NotImplementedError) as error:
         print(f"specboost {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -18,13 +18,16 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats, PhaseTimer
 from specboost.decoder.stopping import StopCriteria
+from specboost.decoder.strategies import StrategyInputs, make_speculator
 from specboost.decoder.target import TargetState
 from specboost.decoder.validation import check_causal_lm, check_same_vocabulary, context_length
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier, Verifier
 from specboost.decoder.verify import Rule
+from specboost.speculator.cost_model import CostModel
+from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import DraftShape
-from specboost.speculator.speculation import DraftRequest, PoolSpeculator, Speculator, StepFeedback
+from specboost.speculator.speculation import DraftRequest, Speculator, StepFeedback
 from specboost.speculator.tree import TokenTree
 
 # Generation options the decoder does not implement, with the value that leaves them off.
@@ -51,8 +54,14 @@ class SpeculativeDecoder:
         rule: verification rule, "greedy" | "mss" | "without_replacement" | "target"; None picks
             greedy for do_sample=False and the lossless rule for the tree kind otherwise.
         verification: "tree" (one tree-attention pass) or "stairs" (ALGORITHMS.md 12; greedy chains).
-        speculator: a custom speculation strategy (overrides `shape`).
+        speculator: a custom speculation strategy (overrides `strategy` and `shape`).
         ssm_tokenizers: the SSMs' own tokenizers, checked against `tokenizer` when given.
+        strategy: how the SSMs speculate (see `specboost.decoder.strategies`): "pool" (every SSM
+            drafts `shape`, trees merged) or "learned" (the learned scheduler picks a beam per SSM
+            and step; needs a predictor, from `predictor=` or the pool).
+        predictor, cost_model: the learned scheduler's match-length predictor and hardware cost
+            model (default: the pool's; a missing cost model is measured on the spot).
+        force_profile: use the pool's hardware profile even if measured on other hardware.
     """
 
     def __init__(
@@ -66,11 +75,16 @@ class SpeculativeDecoder:
         verification: Literal["tree", "stairs"] = "tree",
         speculator: Speculator | None = None,
         ssm_tokenizers: Sequence[PreTrainedTokenizerBase | None] | None = None,
+        strategy: str = "pool",
+        predictor: MatchLengthPredictor | None = None,
+        cost_model: CostModel | None = None,
+        force_profile: bool = False,
     ) -> None:
         check_causal_lm(llm, "LLM")
-        if isinstance(ssms, SSMPool):  # its tokenizer is every SSM's
-            ssm_tokenizers = ssm_tokenizers or [ssms.tokenizer] * len(ssms)
-            ssms = ssms.models
+        pool = ssms if isinstance(ssms, SSMPool) else None
+        if pool is not None:  # its tokenizer is every SSM's
+            ssm_tokenizers = ssm_tokenizers or [pool.tokenizer] * len(pool)
+            ssms = pool.models
         ssms = list(ssms)
         for i, ssm in enumerate(ssms):
             check_causal_lm(ssm, f"SSM {i}")
@@ -83,7 +97,9 @@ class SpeculativeDecoder:
         self.llm = llm.eval()
         self.ssms = [ssm.eval() for ssm in ssms]
         self.tokenizer = tokenizer
-        self.speculator: Speculator = speculator or PoolSpeculator(self.ssms, shape)
+        self.speculator: Speculator = speculator or make_speculator(
+            strategy, self.llm, self.ssms, pool, StrategyInputs(shape, predictor, cost_model, force_profile)
+        )
         self.verifier: Verifier = StairsVerifier() if verification == "stairs" else TreeVerifier(rule)
         self.max_positions = context_length(llm)
 

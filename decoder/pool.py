@@ -23,6 +23,8 @@ from huggingface_hub import snapshot_download
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.validation import model_name, output_vocab_size
+from specboost.speculator.cost_model import CostModel, device_key, load_cost_model
+from specboost.speculator.predictor import MatchLengthPredictor
 
 MANIFEST_FILE = "specboost_pool.json"
 FORMAT_VERSION = 1  # bump when the manifest changes incompatibly
@@ -80,6 +82,8 @@ class SSMPool:
     tokenizer: PreTrainedTokenizerBase | None
     manifest: dict[str, Any]
     weights: list[float]  # initial voting weights, one per SSM (ALGORITHMS.md section 6)
+    predictor: MatchLengthPredictor | None = None  # the learned scheduler's (ALGORITHMS.md section 5)
+    folder: Path | None = None
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.models):
@@ -115,7 +119,20 @@ class SSMPool:
         first = folder / manifest["ssms"][0]["path"] if manifest["ssms"] else None
         tokenizer = AutoTokenizer.from_pretrained(first) if first is not None else None
         weights = [float(w) for w in manifest.get("weights") or [1.0 / len(models)] * len(models)]
-        return cls(models, tokenizer, manifest, weights)
+        predictor = None
+        if manifest.get("predictor"):
+            predictor = MatchLengthPredictor.from_pretrained(folder / manifest["predictor"]["path"])
+        return cls(models, tokenizer, manifest, weights, predictor, folder)
+
+    def cost_model(
+        self, device: torch.device | str, dtype: torch.dtype, force: bool = False
+    ) -> CostModel | None:
+        """The pool's hardware profile for this device and dtype (None when the pool has none);
+        a profile of other hardware raises unless `force` (see `load_cost_model`)."""
+        entry = self.manifest.get("hardware_profile")
+        if not entry or self.folder is None:
+            return None
+        return load_cost_model(self.folder / entry["path"], device_key(device, dtype), force)
 
     def check_llm(self, llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """Raise a ValueError when `llm` (and `tokenizer`) is not the LLM the pool was trained for."""

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.length_control import LengthController
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import ChainShape, DraftShape
 from specboost.speculator.tree import DraftKind, TokenTree, merge_trees
@@ -62,13 +63,26 @@ class Speculator(Protocol):
 
 
 class PoolSpeculator:
-    """Every SSM drafts the same shape; their trees are merged into one (SpecInfer)."""
+    """Every SSM drafts the same shape; their trees are merged into one (SpecInfer).
 
-    def __init__(self, ssms: list[PreTrainedModel], shape: DraftShape | None = None) -> None:
+    With a `length_controller` (ALGORITHMS.md section 7) the SSMs draft chains whose length the
+    controller picks before every step from the LLM's feedback (t_LLM = `verify_seconds`); the
+    length depends only on past steps, so every rule that is lossless for chains stays lossless.
+    """
+
+    def __init__(
+        self,
+        ssms: list[PreTrainedModel],
+        shape: DraftShape | None = None,
+        length_controller: LengthController | None = None,
+    ) -> None:
         if not ssms:
             raise ValueError("speculative decoding needs at least one SSM")
         self.drafters = [SSMDrafter(model, i) for i, model in enumerate(ssms)]
         self.shape = shape or ChainShape()
+        if length_controller is not None and not isinstance(self.shape, ChainShape):
+            raise ValueError(f"a length controller sets chain lengths; use ChainShape, not {self.shape!r}")
+        self.length_controller = length_controller
         self.num_ssms = len(ssms)
         self.wants_hidden = False
         self._generators: list[torch.Generator | None] = [None] * len(ssms)
@@ -83,16 +97,35 @@ class PoolSpeculator:
             None if seed is None else torch.Generator(d.model.device).manual_seed(seed + 7919 * (d.index + 1))
             for d in self.drafters
         ]
+        if self.length_controller is not None:
+            self.length_controller.reset()
 
-    def propose(self, request: DraftRequest) -> TokenTree:
+    def step_shape(self) -> DraftShape:
+        """What every SSM drafts in the next step."""
+        if self.length_controller is None:
+            return self.shape
+        return ChainShape(self.length_controller.length())
+
+    def draft_merged(self, request: DraftRequest, probs: LogitsToProbs) -> TokenTree:
+        """Every SSM drafts `step_shape()` with `probs` (greedy or sampled); the trees merged."""
+        shape = self.step_shape()
         trees = [
-            drafter.draft(request.verified, self.shape, request.probs, request.max_depth, gen)
+            drafter.draft(request.verified, shape, probs, request.max_depth, gen)
             for drafter, gen in zip(self.drafters, self._generators, strict=True)
         ]
         return trees[0] if len(trees) == 1 else merge_trees(trees)
 
+    def propose(self, request: DraftRequest) -> TokenTree:
+        return self.draft_merged(request, request.probs)
+
     def observe(self, feedback: StepFeedback) -> None:
-        """The pool strategy keeps no state across steps beyond the SSM caches."""
+        """Only a length controller learns from feedback; the SSM caches sync on the next draft."""
+        if self.length_controller is not None:
+            self.length_controller.update([len(feedback.accepted)], feedback.verify_seconds)
 
     def report(self) -> dict:
-        return {"strategy": "pool", "shape": repr(self.shape)}
+        report: dict = {"strategy": "pool", "shape": repr(self.shape)}
+        if self.length_controller is not None:
+            report["length_controller"] = self.length_controller.describe()
+            report["lengths"] = self.length_controller.history[:-1]  # per step, like match_lengths
+        return report

@@ -36,14 +36,16 @@ from huggingface_hub import HfApi, get_token
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specboost.decoder.pool import FORMAT_VERSION, MANIFEST_FILE, tokenizer_vocab_hash
+from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.model_info import output_vocab_size
+from specboost.speculator.predictor import PREDICTOR_DIR
 
 RECORD_FILE = "boost_record.json"
 README_FILE = "README.md"
 # Optional scheduler files copied into the export when BOOST holds them (first name found wins).
 OPTIONAL_ENTRIES = {
-    "predictor": ("predictor", "predictor.safetensors", "predictor.json", "predictor.pt"),
-    "hardware_profile": ("hardware_profile.json", "hardware_profile"),
+    "predictor": (PREDICTOR_DIR,),
+    "hardware_profile": (PROFILE_FILE,),
 }
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 

@@ -1,0 +1,129 @@
+"""Hardware cost model: measured latencies of verification and speculation (ALGORITHMS.md
+sections 5 and 8), stored per device and dtype.
+
+`L_verify(n)` is one LLM tree pass over n tree tokens (root included) after a typical prefix;
+`L_speculate(ssm, b, d)` is one SSM drafting a beam tree of width b and depth d (cache catch-up
+included); `ssm_step_time(ssm)` is one SSM forward step, Sequoia's c numerator. All in seconds,
+measured by `specboost profile` (`specboost.decoder.profiler`).
+
+A profile file (`hardware_profile.json`, in the pool folder) maps a device key such as
+"cpu: AMD EPYC 7B13 (1 threads)|float32" to one `CostModel`. Latencies measured on one machine
+mean little on another, so `load_cost_model` refuses a file without this machine's key unless
+forced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PROFILE_FILE = "hardware_profile.json"
+FORMAT_VERSION = 1
+
+
+def device_name(device: torch.device | str) -> str:
+    """A human-readable name of the hardware behind `device` (threads matter on a CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{device.type}: {cpu} ({torch.get_num_threads()} threads)"
+
+
+def device_key(device: torch.device | str, dtype: torch.dtype) -> str:
+    return f"{device_name(device)}|{str(dtype).removeprefix('torch.')}"
+
+
+@dataclass
+class CostModel:
+    device: str  # device_key of the machine it was measured on
+    verify_tokens: list[int]  # tree sizes measured (root included), increasing
+    verify_seconds: list[float]  # median LLM pass time per size
+    speculate_seconds: list[dict[str, float]]  # per SSM: "b,d" -> median drafting time
+    ssm_step_seconds: list[float]  # per SSM: one forward step
+    prefix_length: int = 0  # cached tokens before the tree while measuring
+    llm: str | None = None
+    ssms: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.verify_tokens) != len(self.verify_seconds) or not self.verify_tokens:
+            raise ValueError("a cost model needs verify times for at least one tree size")
+        if len(self.speculate_seconds) != len(self.ssm_step_seconds):
+            raise ValueError("speculate_seconds and ssm_step_seconds must have one entry per SSM")
+
+    @property
+    def num_ssms(self) -> int:
+        return len(self.ssm_step_seconds)
+
+    def verify_time(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
+        """L_verify(n): piecewise-linear in the measured sizes, extended linearly past the largest."""
+        x, y = np.asarray(self.verify_tokens, float), np.asarray(self.verify_seconds, float)
+        n = np.asarray(n_tokens, float)
+        inside = np.interp(n, x, y)
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
+        result = np.where(n > x[-1], y[-1] + slope * (n - x[-1]), inside)
+        return float(result) if result.ndim == 0 else result
+
+    def speculate_time(self, ssm: int, width: int, depth: int) -> float:
+        key = f"{width},{depth}"
+        table = self.speculate_seconds[ssm]
+        if key not in table:
+            raise KeyError(
+                f"the cost model has no speculation time for SSM {ssm} with width {width} and depth "
+                f"{depth} (measured: {', '.join(table)}); profile again with that configuration"
+            )
+        return table[key]
+
+    def ssm_step_time(self, ssm: int) -> float:
+        return self.ssm_step_seconds[ssm]
+
+
+def save_cost_model(model: CostModel, path: str | Path) -> None:
+    """Add (or replace) this device's entry in the profile file at `path`, atomically."""
+    path = Path(path)
+    profiles = _read(path)["profiles"] if path.is_file() else {}
+    profiles[model.device] = asdict(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "profiles": profiles}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format_version {data.get('format_version')!r}; this specboost reads "
+            f"{FORMAT_VERSION}: profile again with `specboost profile`"
+        )
+    return data
+
+
+def load_cost_model(path: str | Path, key: str, force: bool = False) -> CostModel:
+    """This device's cost model from the profile file; a profile of another device only when forced
+    (then the file's first entry)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no hardware profile at {path}: measure one with `specboost profile`")
+    profiles = _read(path)["profiles"]
+    if key in profiles:
+        return CostModel(**profiles[key])
+    if force and profiles:
+        return CostModel(**next(iter(profiles.values())))
+    raise ValueError(
+        f"{path} holds latencies measured on {', '.join(profiles) or 'no device'}, not on this machine "
+        f"({key}); run `specboost profile` here, or force the foreign profile (force_profile=True, "
+        "--force-profile) if you know the hardware is equivalent"
+    )

@@ -1,0 +1,114 @@
+"""Match-length predictor: a 3-layer MLP from the LLM's last hidden state to the expected match
+length of every speculation configuration of every SSM (ALGORITHMS.md section 5).
+
+A configuration is SpecInfer beam search of width b and depth d; the grid is b in {1, 2, 4} x
+d in {1, 2, 4, 8, 16} per SSM. The model standardises its input with statistics of the training
+hidden states (stored as buffers, so a saved predictor is self-contained) and its outputs are
+clamped to the achievable range [0, d] at inference.
+
+Saved as `predictor.safetensors` + `predictor_config.json` (in an exported pool folder, next to
+the SSMs, so that `SSMPool.from_pretrained` finds it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+WIDTHS = (1, 2, 4)
+DEPTHS = (1, 2, 4, 8, 16)
+WEIGHTS_FILE = "predictor.safetensors"
+CONFIG_FILE = "predictor_config.json"
+PREDICTOR_DIR = "predictor"  # its folder inside a boost run or an exported pool
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    input_size: int  # the LLM's hidden size
+    num_ssms: int
+    widths: tuple[int, ...] = WIDTHS
+    depths: tuple[int, ...] = DEPTHS
+    hidden_size: int = 256
+    llm: str | None = None  # name_or_path of the LLM whose hidden states it reads
+    ssms: tuple[str, ...] = field(default=())  # the SSMs' names, in pool order
+
+    def __post_init__(self) -> None:
+        if self.input_size < 1 or self.num_ssms < 1 or self.hidden_size < 1:
+            raise ValueError("input_size, num_ssms and hidden_size must be >= 1")
+        if not self.widths or not self.depths or min(self.widths) < 1 or min(self.depths) < 1:
+            raise ValueError(f"widths and depths must be positive, got {self.widths} and {self.depths}")
+        object.__setattr__(self, "widths", tuple(self.widths))
+        object.__setattr__(self, "depths", tuple(self.depths))
+        object.__setattr__(self, "ssms", tuple(self.ssms))
+
+    @property
+    def num_outputs(self) -> int:
+        return self.num_ssms * len(self.widths) * len(self.depths)
+
+    @property
+    def output_shape(self) -> tuple[int, int, int]:
+        return (self.num_ssms, len(self.widths), len(self.depths))
+
+
+class MatchLengthPredictor(nn.Module):
+    """f(b, d | h) for every SSM: [..., H] -> [..., num_ssms, len(widths), len(depths)]."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        self.config = config
+        m = config.hidden_size
+        self.mlp = nn.Sequential(
+            nn.Linear(config.input_size, m),
+            nn.ReLU(),
+            nn.Linear(m, m),
+            nn.ReLU(),
+            nn.Linear(m, config.num_outputs),
+        )
+        self.register_buffer("input_mean", torch.zeros(config.input_size))
+        self.register_buffer("input_std", torch.ones(config.input_size))
+        self.register_buffer("max_length", torch.tensor(config.depths, dtype=torch.float32))
+
+    def set_input_statistics(self, hidden: torch.Tensor) -> None:
+        """Standardise inputs with the mean / std of training hidden states [N, H]."""
+        self.input_mean.copy_(hidden.float().mean(0))
+        self.input_std.copy_(hidden.float().std(0).clamp_min(1e-6))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw regression outputs (training)."""
+        x = (hidden.to(self.input_mean.dtype) - self.input_mean) / self.input_std
+        return self.mlp(x).unflatten(-1, self.config.output_shape)
+
+    @torch.inference_mode()
+    def predict(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Expected match lengths, clamped to [0, d]."""
+        return self(hidden).clamp_(min=0).minimum(self.max_length)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, folder / WEIGHTS_FILE)
+        (folder / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> MatchLengthPredictor:
+        folder = Path(folder)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (folder / name).is_file():
+                raise FileNotFoundError(
+                    f"no match-length predictor in {folder} ({name} is missing); train one with "
+                    "`python -m specboost.training.train_predictor` (`make predictor`)"
+                )
+        config = PredictorConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+        model = cls(config)
+        model.load_state_dict(load_file(folder / WEIGHTS_FILE))
+        return model.eval()
+
+
+def has_predictor(folder: str | Path) -> bool:
+    return (Path(folder) / CONFIG_FILE).is_file()

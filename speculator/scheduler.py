@@ -1,0 +1,158 @@
+"""Learned speculative scheduler (ALGORITHMS.md section 5): per step, the speculation
+configuration of every SSM, chosen from the LLM's hidden state and the measured hardware costs.
+
+Each SSM either sits the step out or runs beam search of a (width b, depth d) from the
+predictor's grid. A joint choice c = (c_1..c_k) is scored as
+
+    score(c) = expected tokens / expected time
+             = (1 + max_i f_i(c_i | h)) / (L_verify(1 + sum_i b_i d_i) + sum_i L_speculate_i(c_i))
+
+- f_i(c_i | h): the predictor's expected match length of SSM i's tree, given h (0 for "sits out");
+  the merged tree's match is at least the best SSM's, so max_i f_i is the estimate (a lower bound);
+  the 1 is the token the LLM adds every step;
+- L_verify of the merged tree's size (an upper bound: merging shares prefixes) and the SSMs'
+  speculation times, which add up because the SSMs draft one after another on one device.
+"No SSM" scores 1 / L_verify(1): plain decoding, so the scheduler never speculates where it
+expects to lose. The cost of every joint choice is precomputed once; per step the work is one
+MLP forward and an argmax over at most `max_joint_choices` choices. Pools too large to enumerate
+choose per SSM (each SSM's best score alone), as SpecInfer states the rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from specboost.speculator.cost_model import CostModel
+from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.shapes import BeamShape
+from specboost.speculator.speculation import DraftRequest, StepFeedback
+from specboost.speculator.tree import DraftKind, TokenTree, merge_trees
+
+SITS_OUT = None
+
+
+class LearnedScheduler:
+    """A Speculator: predicted match lengths + measured costs -> per-step (b, d) per SSM."""
+
+    wants_hidden = True
+
+    def __init__(
+        self,
+        ssms: list[PreTrainedModel],
+        predictor: MatchLengthPredictor,
+        cost_model: CostModel,
+        fallback: BeamShape | None = None,
+        max_joint_choices: int = 1 << 16,
+    ) -> None:
+        c = predictor.config
+        if c.num_ssms != len(ssms) or cost_model.num_ssms != len(ssms):
+            raise ValueError(
+                f"the predictor covers {c.num_ssms} SSMs and the cost model {cost_model.num_ssms}, "
+                f"but the pool has {len(ssms)}: train and profile for this pool"
+            )
+        self.drafters = [SSMDrafter(model, i) for i, model in enumerate(ssms)]
+        self.num_ssms = len(ssms)
+        self.predictor = predictor.to(ssms[0].device)
+        self.fallback = fallback or BeamShape(1, 4)
+        # Options per SSM: SITS_OUT, then the grid in the predictor's output order (b major).
+        self.options: list[tuple[int, int] | None] = [SITS_OUT] + [(b, d) for b in c.widths for d in c.depths]
+        self.joint = (len(self.options) ** self.num_ssms) <= max_joint_choices
+        self._precompute_costs(cost_model)
+        self.reset(None)
+
+    def _precompute_costs(self, cost: CostModel) -> None:
+        """Time of every joint choice (or, per SSM, of every option alone)."""
+        spec = torch.tensor(
+            [
+                [0.0] + [cost.speculate_time(i, b, d) for b, d in self.options[1:]]
+                for i in range(self.num_ssms)
+            ],
+            dtype=torch.float64,
+        )  # [S, O]
+        size = torch.tensor([0] + [b * d for b, d in self.options[1:]], dtype=torch.float64)  # [O]
+        if self.joint:
+            choices = torch.tensor(list(itertools.product(range(len(self.options)), repeat=self.num_ssms)))
+            tokens = 1 + size[choices].sum(-1)
+            seconds = torch.as_tensor(cost.verify_time(tokens.numpy())) + spec.gather(1, choices.T).sum(0)
+            self.choices = choices  # [C, S] option index per SSM
+        else:
+            seconds = torch.as_tensor(cost.verify_time((1 + size).numpy()))[None] + spec  # [S, O]
+        self.seconds = seconds.float()
+        device = self.predictor.input_mean.device
+        self.seconds = self.seconds.to(device)
+        if self.joint:
+            self.choices = self.choices.to(device)
+            self._choices_t = self.choices.T.contiguous()  # [S, C]
+        self._f = torch.zeros(self.num_ssms, len(self.options), device=device)
+        self._max_option_depth = max(d for _, d in self.options[1:])
+
+    # Speculator protocol -------------------------------------------------------------------------
+    def tree_kind(self, do_sample: bool) -> DraftKind:
+        return DraftKind.BEAM
+
+    def reset(self, seed: int | None) -> None:
+        for drafter in self.drafters:
+            drafter.reset()
+        self.history: list[list[tuple[int, int] | None]] = []
+        self.decision_seconds = 0.0
+        self.step_seconds = 0.0
+        self._last_step_start: float | None = None
+
+    def choose(self, request: DraftRequest) -> list[tuple[int, int] | None]:
+        """(b, d) or SITS_OUT per SSM for the next step."""
+        if request.hidden is None:  # no LLM state yet (one-token prompt): the fixed fallback for all
+            return [(self.fallback.width, self.fallback.depth)] * self.num_ssms
+        return self.best(self.predictor.predict(request.hidden).flatten(1), request.max_depth)
+
+    @torch.inference_mode()
+    def best(self, match: torch.Tensor, max_depth: int) -> list[tuple[int, int] | None]:
+        """The choice of highest expected tokens per second, given expected match lengths [S, grid]
+        in the predictor's output order (kept lean: it runs every step)."""
+        f = self._f
+        f[:, 1:] = match  # option 0 (sits out) stays 0
+        if max_depth < self._max_option_depth:  # near the end: no match beyond the tokens wanted
+            f[:, 1:].clamp_(max=max_depth)
+        if self.joint:
+            expected = f.gather(1, self._choices_t).amax(0).add_(1)  # [C]
+            best = self.choices[int(expected.div_(self.seconds).argmax())].tolist()
+        else:
+            best = (f + 1).div_(self.seconds).argmax(1).tolist()
+        return [self.options[o] for o in best]
+
+    def propose(self, request: DraftRequest) -> TokenTree:
+        now = time.perf_counter()
+        if self._last_step_start is not None:
+            self.step_seconds += now - self._last_step_start
+        self._last_step_start = now
+        chosen = self.choose(request)
+        self.decision_seconds += time.perf_counter() - now
+        self.history.append(chosen)
+        trees = [
+            drafter.draft(request.verified, BeamShape(*option), request.probs, request.max_depth)
+            for drafter, option in zip(self.drafters, chosen, strict=True)
+            if option is not SITS_OUT
+        ]
+        if not trees:
+            return TokenTree.root_only(request.verified[-1], DraftKind.BEAM)
+        return trees[0] if len(trees) == 1 else merge_trees(trees)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """The scheduler decides from the hidden state alone; no state to update."""
+
+    def report(self) -> dict:
+        """Choices per step and the scheduler's own share of the decoding time."""
+        steps = len(self.history)
+        launched = [sum(option is not SITS_OUT for option in step) for step in self.history]
+        return {
+            "strategy": "learned",
+            "choices": [[None if o is None else list(o) for o in step] for step in self.history],
+            "mean_ssms_launched": sum(launched) / steps if steps else 0.0,
+            "decision_seconds": self.decision_seconds,
+            # Time between the first and the last propose call: all steps but the last.
+            "overhead_fraction": self.decision_seconds / self.step_seconds if self.step_seconds else 0.0,
+        }

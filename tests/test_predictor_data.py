@@ -1,0 +1,142 @@
+"""Labels for the match-length predictor (ALGORITHMS.md section 5): batched beam search equals the
+drafter, references follow the LLM's greedy path, and collection resumes after a kill."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_llama
+from test_boost import save_llama, save_tokenizer, write_distilled
+from transformers import AutoModelForCausalLM
+
+from specboost.speculator.beam_search import beam_match_lengths
+from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
+from specboost.speculator.shapes import BeamShape
+from specboost.training import predictor_data
+from specboost.training.predictor_data import PredictorDataConfig, collect, greedy_reference, load_labels
+
+DEPTHS = (1, 2, 4, 8)
+
+
+def drafter_match(ssm, context: list[int], reference: list[int], width: int, depth: int) -> int:
+    """The match length of the decoder's own beam tree: the longest root path equal to the reference."""
+    tree = SSMDrafter(ssm, 0).draft(context, BeamShape(width, depth), LogitsToProbs(SamplingConfig()), depth)
+    best = 0
+    for sequence in tree.sequences():  # root excluded
+        n = 0
+        while n < len(sequence) and sequence[n] == reference[n]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_batched_beam_search_matches_the_drafter(width: int) -> None:
+    """Contexts of different lengths (left padding) in one batch give the drafter's match lengths
+    at every depth; references are the LLM's greedy continuations, so matches are non-trivial."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssm = copy.deepcopy(llm)
+    with torch.no_grad():
+        for p in ssm.parameters():
+            p.add_(torch.randn_like(p) * 0.3 * p.std() if p.numel() > 1 else 0)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 5, 12)]
+    references = []
+    for context in contexts:
+        out = llm.generate(torch.tensor([context]), max_new_tokens=max(DEPTHS), do_sample=False)
+        references.append(out[0, len(context) :].tolist())
+    got = beam_match_lengths(ssm, contexts, torch.tensor(references), width, DEPTHS, pad_id=0)
+    expected = [
+        [drafter_match(ssm, c, r, width, d) for d in DEPTHS]
+        for c, r in zip(contexts, references, strict=True)
+    ]
+    assert got.tolist() == expected
+    assert got.sum() > 0
+
+
+def test_greedy_reference_stops_where_the_sample_leaves_the_greedy_path() -> None:
+    sequence = torch.tensor([5, 6, 7, 8, 9, 10])
+    choices = torch.tensor([6, 7, 8, 0, 10, 11])  # the LLM would say 0 after [5, 6, 7, 8], not 9
+    assert greedy_reference(sequence, choices, root=0, length=3) == [6, 7, 8]
+    assert greedy_reference(sequence, choices, root=1, length=3) == [7, 8, 0]  # r_3 is the LLM's own
+    assert greedy_reference(sequence, choices, root=1, length=4) is None  # r_4 would follow 0: unknown
+    assert greedy_reference(sequence, choices, root=4, length=3) is None  # past the end
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[str, list[str], str]:
+    """A tiny LLM with greedy distillation data, and two SSMs (a noisy copy and a smaller model)."""
+    llm_dir, vocab = tmp_path / "llm", 32
+    save_llama(llm_dir, vocab)
+    save_tokenizer(llm_dir, [f"w{i}" for i in range(vocab - 4)])
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(6):
+        prompt = torch.randint(4, vocab, (3 + i,), generator=gen).tolist()
+        out = llm.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+        rows.append((prompt, out[0, len(prompt) :].tolist()))
+    ssm_dirs = []
+    for k, layers in enumerate((2, 1)):
+        folder = tmp_path / f"ssm-{k}"
+        save_llama(folder, vocab, layers=layers)
+        ssm_dirs.append(str(folder))
+    return str(llm_dir), ssm_dirs, write_distilled(tmp_path / "distilled", rows)
+
+
+def test_collect_writes_labels_with_the_documented_shape(setup, tmp_path: Path) -> None:
+    llm, ssms, distilled = setup
+    config = PredictorDataConfig(llm, tuple(ssms), distilled, depths=DEPTHS, stride=1, shard_size=2)
+    metadata = collect(config, tmp_path / "labels")
+    labels = load_labels(tmp_path / "labels")
+    assert len(labels) == metadata["rows"] > 0
+    row = labels[0]
+    assert len(row["hidden"]) == 32  # the LLM's hidden size
+    assert torch.tensor(row["match"]).shape == (2, 3, len(DEPTHS))
+    match = torch.tensor(labels["match"])
+    assert (match <= torch.tensor(DEPTHS)).all() and (match >= 0).all()
+    chains = match[:, :, 0, :]  # width 1: deeper chains extend shallower ones (wider beams may drop them)
+    assert (chains[..., 1:] >= chains[..., :-1]).all()
+    # ssm-0 has the LLM's own weights (save_llama seeds identically): its greedy chain is the LLM's.
+    assert (chains[:, 0] == torch.tensor(DEPTHS)).all()
+    assert (match[:, 1] < match[:, 0]).any()  # the one-layer SSM does worse
+
+
+def test_collect_resumes_after_a_kill_without_loss_or_duplicates(
+    setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm, ssms, distilled = setup
+    config = PredictorDataConfig(llm, tuple(ssms), distilled, depths=DEPTHS, stride=1, shard_size=2)
+    reference = collect(config, tmp_path / "full")
+    real, calls = predictor_data.sample_rows, {"n": 0}
+
+    def dies_on_the_fifth_sample(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # killed mid-shard: shards 1 and 2 are complete, shard 3 is not
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predictor_data, "sample_rows", dies_on_the_fifth_sample)
+    with pytest.raises(KeyboardInterrupt):
+        collect(config, tmp_path / "resumed")
+    monkeypatch.setattr(predictor_data, "sample_rows", real)
+    resumed = collect(config, tmp_path / "resumed")
+    a, b = load_labels(tmp_path / "full"), load_labels(tmp_path / "resumed")
+    assert resumed["rows"] == reference["rows"]
+    assert list(zip(a["id"], a["position"], strict=True)) == list(zip(b["id"], b["position"], strict=True))
+    assert a["match"] == b["match"]
+
+
+def test_collect_refuses_other_settings_and_empty_data(setup, tmp_path: Path) -> None:
+    llm, ssms, distilled = setup
+    collect(PredictorDataConfig(llm, (ssms[1],), distilled, depths=DEPTHS), tmp_path / "run")
+    with pytest.raises(ValueError, match="other settings"):
+        collect(PredictorDataConfig(llm, tuple(ssms), distilled, depths=DEPTHS), tmp_path / "run")
+    with pytest.raises(ValueError, match="no usable positions"):  # outputs shorter than the deepest beam
+        collect(PredictorDataConfig(llm, (ssms[1],), distilled, depths=(32,)), tmp_path / "deep")
+    with pytest.raises(FileNotFoundError, match="make predictor-data"):
+        load_labels(tmp_path / "missing")

@@ -1,0 +1,197 @@
+"""The learned scheduler (ALGORITHMS.md section 5): predictor, cost model, per-step choice, and
+lossless decoding with it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, tiny_llama
+from datasets import Dataset
+
+from specboost.decoder import SpeculativeDecoder
+from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
+from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
+from specboost.speculator.scheduler import LearnedScheduler
+from specboost.speculator.speculation import DraftRequest
+from specboost.training.predictor_data import DATA_DIR, METADATA_FILE
+from specboost.training.train_predictor import TrainPredictorConfig, train_predictor
+
+WIDTHS, DEPTHS = (1, 2), (1, 4)
+
+
+def constant_predictor(values: list[list[list[float]]], input_size: int = 32) -> MatchLengthPredictor:
+    """A predictor whose output is `values` [S, widths, depths] whatever the hidden state."""
+    config = PredictorConfig(input_size=input_size, num_ssms=len(values), widths=WIDTHS, depths=DEPTHS)
+    model = MatchLengthPredictor(config)
+    with torch.no_grad():
+        last = model.mlp[-1]
+        last.weight.zero_()
+        last.bias.copy_(torch.tensor(values).flatten())
+    return model.eval()
+
+
+def cost_table(num_ssms: int, verify: list[float], speculate: dict[str, float]) -> CostModel:
+    return CostModel(
+        device="test|float64",
+        verify_tokens=[1, 2, 4, 8, 16],
+        verify_seconds=verify,
+        speculate_seconds=[dict(speculate) for _ in range(num_ssms)],
+        ssm_step_seconds=[0.001] * num_ssms,
+    )
+
+
+# Predictor --------------------------------------------------------------------------------------
+def test_predictor_round_trip(tmp_path: Path) -> None:
+    config = PredictorConfig(input_size=32, num_ssms=2, hidden_size=16, llm="llm", ssms=("a", "b"))
+    model = MatchLengthPredictor(config)
+    model.set_input_statistics(torch.randn(50, 32) * 3 + 1)
+    model.save_pretrained(tmp_path / "predictor")
+    loaded = MatchLengthPredictor.from_pretrained(tmp_path / "predictor")
+    h = torch.randn(5, 32)
+    assert loaded.config == config
+    torch.testing.assert_close(loaded.predict(h), model.predict(h))
+    assert loaded.predict(h).shape == (5, 2, 3, 5)
+    assert (loaded.predict(h * 100) <= torch.tensor(config.depths, dtype=torch.float32)).all()  # clamped
+    with pytest.raises(FileNotFoundError, match="make predictor"):
+        MatchLengthPredictor.from_pretrained(tmp_path / "nothing")
+
+
+def test_training_beats_the_constant_baseline_on_learnable_labels(tmp_path: Path) -> None:
+    """Labels that depend on the hidden state (the first coordinate decides easy vs hard text):
+    the trained MLP must beat the training-mean baseline on held-out samples."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for sample in range(40):
+        easy = sample % 2 == 0
+        for position in range(10):
+            hidden = torch.randn(8, generator=gen)
+            hidden[0] = 2.0 if easy else -2.0
+            depth = torch.tensor(DEPTHS, dtype=torch.float32)
+            match = (depth * (0.9 if easy else 0.1)).round().expand(1, len(WIDTHS), -1)
+            rows.append(
+                {"id": sample, "position": position, "hidden": hidden.tolist(), "match": match.tolist()}
+            )
+    labels = tmp_path / "labels"
+    Dataset.from_list(rows).save_to_disk(str(labels / DATA_DIR))
+    meta = {"config": {"widths": list(WIDTHS), "depths": list(DEPTHS), "llm": "llm", "ssms": ["ssm"]}}
+    (labels / METADATA_FILE).write_text(json.dumps(meta))
+    record = train_predictor(
+        labels, tmp_path / "predictor", TrainPredictorConfig(max_epochs=60, hidden_size=32)
+    )
+    assert record["mae"] < 0.5 * record["baseline_mae"]
+    assert {c["depth"] for c in record["per_config"]} == set(DEPTHS)
+    predictor = MatchLengthPredictor.from_pretrained(tmp_path / "predictor")
+    assert predictor.config.depths == DEPTHS and predictor.config.ssms == ("ssm",)
+
+
+# Cost model ------------------------------------------------------------------------------------
+def test_cost_model_interpolates_and_extrapolates() -> None:
+    cost = cost_table(1, [1.0, 2.0, 2.0, 4.0, 8.0], {})
+    assert cost.verify_time(3) == pytest.approx(2.0)
+    assert cost.verify_time(12) == pytest.approx(6.0)
+    assert cost.verify_time(24) == pytest.approx(12.0)  # the last segment's slope, continued
+    np.testing.assert_allclose(cost.verify_time(np.array([1, 16])), [1.0, 8.0])
+    with pytest.raises(KeyError, match="profile again"):
+        cost.speculate_time(0, 4, 16)
+
+
+def test_profile_file_is_keyed_by_device_and_refuses_other_hardware(tmp_path: Path) -> None:
+    path = tmp_path / "hardware_profile.json"
+    here = cost_table(1, [1.0] * 5, {"1,1": 0.5})
+    elsewhere = cost_table(1, [9.0] * 5, {"1,1": 5.0})
+    elsewhere.device = "cuda: Some GPU|bfloat16"
+    save_cost_model(here, path)
+    save_cost_model(elsewhere, path)
+    assert set(json.loads(path.read_text())["profiles"]) == {"test|float64", "cuda: Some GPU|bfloat16"}
+    assert load_cost_model(path, "test|float64").verify_seconds == [1.0] * 5
+    with pytest.raises(ValueError, match=r"not on this machine .*specboost profile"):
+        load_cost_model(path, device_key("cpu", torch.float32))
+    only_foreign = tmp_path / "foreign.json"
+    save_cost_model(elsewhere, only_foreign)
+    assert load_cost_model(only_foreign, "anything", force=True).verify_seconds == [9.0] * 5
+    with pytest.raises(FileNotFoundError, match="specboost profile"):
+        load_cost_model(tmp_path / "missing.json", "x")
+
+
+def test_profile_measures_every_configuration_on_tiny_models() -> None:
+    llm, ssms = tiny_llama(layers=2), [tiny_llama(layers=1, seed=1), tiny_llama(layers=1, seed=2)]
+    config = ProfileConfig(widths=WIDTHS, depths=DEPTHS, verify_sizes=(1, 4, 9), prefix_length=8, repeats=1)
+    cost = profile(llm, ssms, config, show_progress=False)
+    assert cost.device == device_key("cpu", torch.float64)
+    assert cost.verify_tokens == [1, 4, 9] and all(t > 0 for t in cost.verify_seconds)
+    assert [sorted(t) for t in cost.speculate_seconds] == [["1,1", "1,4", "2,1", "2,4"]] * 2
+    assert cost.num_ssms == 2 and all(t > 0 for t in cost.ssm_step_seconds)
+
+
+# The choice -------------------------------------------------------------------------------------
+def request(max_depth: int = 100) -> DraftRequest:
+    return DraftRequest([1, 2, 3], max_depth, probs=None, hidden=torch.zeros(32))
+
+
+def test_choice_maximises_expected_tokens_per_second() -> None:
+    """Hand-computed: verify costs 1 ms + 0.25 ms per extra token; a deep chain of SSM 0 is worth it,
+    SSM 1 adds nothing it does not cost."""
+    ssms = [tiny_llama(layers=1), tiny_llama(layers=1, seed=1)]
+    verify = [1e-3 + 0.25e-3 * (n - 1) for n in (1, 2, 4, 8, 16)]
+    speculate = {"1,1": 0.1e-3, "1,4": 0.4e-3, "2,1": 0.2e-3, "2,4": 0.8e-3}
+    # f[ssm][width][depth]: SSM 0's width-1 depth-4 chain matches 3.5 tokens on average.
+    predictor = constant_predictor([[[0.9, 3.5], [0.95, 3.6]], [[0.2, 0.3], [0.3, 0.4]]])
+    scheduler = LearnedScheduler(ssms, predictor, cost_table(2, verify, speculate))
+    # (1 + 3.5) / (1 + 0.25 * 4 + 0.4) ms = 1.875 tokens/ms, the best of all 25 joint choices.
+    assert scheduler.choose(request()) == [(1, 4), None]
+    per_ssm = LearnedScheduler(ssms, predictor, cost_table(2, verify, speculate), max_joint_choices=1)
+    assert not per_ssm.joint and per_ssm.choose(request())[0] == (1, 4)
+    # Near the end only 1 more token can match: a depth-1 draft is the best value.
+    assert scheduler.choose(request(max_depth=1)) == [(1, 1), None]
+
+
+def test_choice_sits_out_when_speculation_cannot_pay() -> None:
+    ssms = [tiny_llama(layers=1)]
+    expensive = {"1,1": 5e-3, "1,4": 20e-3, "2,1": 10e-3, "2,4": 40e-3}
+    predictor = constant_predictor([[[0.5, 1.0], [0.6, 1.2]]])
+    scheduler = LearnedScheduler(ssms, predictor, cost_table(1, [1e-3] * 5, expensive))
+    assert scheduler.choose(request()) == [None]
+    assert scheduler.choose(DraftRequest([1], 10, None, hidden=None)) == [(1, 4)]  # no state: fallback
+
+
+def test_mismatched_pool_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="train and profile for this pool"):
+        LearnedScheduler(
+            [tiny_llama(layers=1)], constant_predictor([[[1, 1], [1, 1]]] * 2), cost_table(1, [1] * 5, {})
+        )
+
+
+# Decoding with it -------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt_length", [1, 6])
+def test_learned_strategy_reproduces_greedy_decoding(prompt_length: int) -> None:
+    """Varied choices (a predictor from random weights, real measured costs): the output is still
+    the LLM's own greedy output, token for token."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [tiny_llama(layers=1, seed=1), tiny_llama(layers=1, seed=2)]
+    torch.manual_seed(0)
+    predictor = MatchLengthPredictor(PredictorConfig(input_size=32, num_ssms=2, widths=WIDTHS, depths=DEPTHS))
+    with torch.no_grad():
+        predictor.mlp[-1].bias.fill_(1.5)
+    cost = profile(llm, ssms, ProfileConfig(WIDTHS, DEPTHS, (1, 4, 16), prefix_length=4, repeats=1), False)
+    decoder = SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost)
+    prompt = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=30)
+    expected = llm.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out.sequences, expected)
+    report = out.stats.strategy
+    assert report["strategy"] == "learned" and len(report["choices"]) == out.stats.llm_steps
+    assert 0 <= report["overhead_fraction"] < 1
+
+
+def test_learned_strategy_without_a_predictor_falls_back_to_the_fixed_shape(caplog) -> None:
+    llm, ssm = tiny_llama(layers=2), tiny_llama(layers=1, seed=1)
+    decoder = SpeculativeDecoder(llm, [ssm], strategy="learned")
+    assert decoder.speculator.report()["strategy"] == "pool"
+    assert "needs a match-length predictor" in caplog.text
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        SpeculativeDecoder(llm, [ssm], strategy="magic")

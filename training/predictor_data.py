@@ -1,0 +1,304 @@
+"""Labels for the match-length predictor (ALGORITHMS.md section 5).
+
+    python -m specboost.training.predictor_data --llm artifacts/reference-llm/tiny/model \\
+        --ssm artifacts/pool/ssm-0 artifacts/pool/ssm-1 artifacts/pool/ssm-2 \\
+        --distilled artifacts/distill/gutenberg_openings --out artifacts/predictor-data
+
+At many positions t of every distilled sample (the decoder's situation: x_0..x_t verified, x_t the
+root of the next tree) it records
+- `hidden`: the LLM's last-layer hidden state at x_{t-1}, the state that chose x_t (what the
+  decoder's verify pass hands the scheduler, `DraftRequest.hidden`);
+- `match`: for every SSM, beam width b and depth d, the match length of that SSM's beam search
+  of shape (b, d) after x_0..x_t against the LLM's greedy continuation (greedy rule: the longest
+  beam prefix the LLM accepts). Shape [num_ssms, len(widths), len(depths)].
+
+The LLM's greedy continuation comes from one teacher-forced pass over the sample: r_1 is the
+LLM's argmax after x_t, r_2 its argmax after x_{t+1}, ... as long as r_j = x_{t+j}; where the
+sample leaves the LLM's greedy path (sampled distillation data, numerical ties) the continuation
+beyond that point is unknown, so positions without a known continuation of max(depths) tokens
+are skipped (counted). Use greedy distillation data: nearly every position is then usable.
+
+Beam search runs batched: all positions of a sample at once, each position's `width` beams as
+rows of one left-padded batch with a shared KV cache; the beams alive after d steps are exactly
+the beams of a depth-d search, so one depth-16 search per width yields every depth. The search
+is the drafter's (`SSMDrafter._draft_beam`: top-`width` of beam score + log-softmax over all
+beams x vocabulary; a test checks they agree).
+
+OUT gets `run.json`, `shards/` (Parquet, one per `shard_size` samples, written atomically: a
+killed run resumes by rerunning the same command, nothing lost or duplicated), then `data/` (a
+`datasets` dataset, `save_to_disk`) and `metadata.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset, load_from_disk
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specboost.decoder.validation import check_same_vocabulary
+from specboost.speculator.beam_search import beam_match_lengths
+from specboost.speculator.model_info import check_model_location
+from specboost.speculator.predictor import DEPTHS, WIDTHS
+from specboost.training.distill import claim_run_folder, load_distilled, read_shards, write_shard
+from specboost.training.run_files import library_versions, write_json_atomic
+
+DATA_DIR, METADATA_FILE = "data", "metadata.json"
+
+
+@dataclass(frozen=True)
+class PredictorDataConfig:
+    llm: str
+    ssms: tuple[str, ...]
+    distilled: str
+    widths: tuple[int, ...] = WIDTHS
+    depths: tuple[int, ...] = DEPTHS
+    stride: int = 2  # every stride-th position of a sample (neighbours are much alike)
+    max_positions_per_sample: int = 64
+    max_samples: int | None = None
+    only_ids: tuple[int, ...] | None = field(default=None)  # sample ids to use (e.g. a boost hold-out)
+    shard_size: int = 16  # samples per shard
+
+    def __post_init__(self) -> None:
+        if not self.ssms:
+            raise ValueError("give at least one SSM (--ssm PATH ...)")
+        if self.stride < 1 or self.max_positions_per_sample < 1 or self.shard_size < 1:
+            raise ValueError("stride, max_positions_per_sample and shard_size must be >= 1")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError("max_samples must be >= 1")
+
+    def identity(self) -> dict[str, Any]:
+        """What the shards depend on (resuming with other settings is refused), as JSON reads back."""
+        return json.loads(json.dumps(asdict(self) | {"max_samples": None, "shard_size": None}))
+
+
+# ---------------------------------------------------------------- the LLM side
+
+
+def greedy_reference(
+    sequence: torch.Tensor, choices: torch.Tensor, root: int, length: int
+) -> list[int] | None:
+    """The LLM's greedy continuation after sequence[:root + 1], `length` tokens, or None when the
+    sample leaves the greedy path before that is known. `choices[i]` = argmax after sequence[:i + 1]."""
+    reference = choices[root : root + length].tolist()
+    if len(reference) < length:
+        return None
+    # r_j is known while the sample follows the LLM's choices before it: x_{root+i} == r_i for i < j.
+    follows = sequence[root + 1 : root + length] == choices[root : root + length - 1]
+    return reference if bool(follows.all()) else None
+
+
+@torch.no_grad()
+def llm_pass(llm: PreTrainedModel, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last-layer hidden states [T, H] and greedy choices [T] of one teacher-forced pass."""
+    ids = torch.tensor([sequence], device=llm.device)
+    out = llm(input_ids=ids, output_hidden_states=True)
+    return out.hidden_states[-1][0].float().cpu(), out.logits[0].argmax(-1).cpu()
+
+
+# ---------------------------------------------------------------- one sample
+
+
+def sample_rows(
+    llm: PreTrainedModel,
+    ssms: list[PreTrainedModel],
+    sample: dict[str, Any],
+    config: PredictorDataConfig,
+    pad_id: int,
+) -> tuple[list[dict[str, Any]], int]:
+    """The label rows of one distilled sample, and how many candidate positions were skipped."""
+    sequence = sample["prompt_ids"] + sample["output_ids"]
+    hidden, choices = llm_pass(llm, sequence)
+    tokens, depth = torch.tensor(sequence), max(config.depths)
+    first = max(1, len(sample["prompt_ids"]) - 1)  # the first root; it needs a state before it
+    candidates = list(range(first, len(sequence) - 1, config.stride))[: config.max_positions_per_sample]
+    kept, references = [], []
+    for t in candidates:
+        reference = greedy_reference(tokens, choices, t, depth)
+        if reference is not None:
+            kept.append(t)
+            references.append(reference)
+    if not kept:
+        return [], len(candidates)
+    contexts = [sequence[: t + 1] for t in kept]
+    reference = torch.tensor(references)
+    match = torch.stack(
+        [
+            torch.stack(
+                [
+                    beam_match_lengths(ssm, contexts, reference, b, config.depths, pad_id)
+                    for b in config.widths
+                ],
+                1,
+            )
+            for ssm in ssms
+        ],
+        1,
+    )  # [P, num_ssms, widths, depths]
+    rows = [
+        {"id": sample["id"], "position": t, "hidden": hidden[t - 1].tolist(), "match": match[i].tolist()}
+        for i, t in enumerate(kept)
+    ]
+    return rows, len(candidates) - len(kept)
+
+
+# ---------------------------------------------------------------- run
+
+
+def load_models(config: PredictorDataConfig) -> tuple[PreTrainedModel, list[PreTrainedModel], int]:
+    for path in (config.llm, *config.ssms):
+        check_model_location(path)
+    llm = AutoModelForCausalLM.from_pretrained(config.llm).eval()
+    tokenizer = AutoTokenizer.from_pretrained(config.llm)
+    ssms = [AutoModelForCausalLM.from_pretrained(path).eval() for path in config.ssms]
+    for i, ssm in enumerate(ssms):
+        check_same_vocabulary(llm, ssm, i, tokenizer, None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return llm, ssms, pad_id
+
+
+def selected_samples(config: PredictorDataConfig) -> list[dict[str, Any]]:
+    rows = load_distilled(config.distilled).select_columns(["id", "prompt_ids", "output_ids"]).to_list()
+    if config.only_ids is not None:
+        wanted = set(config.only_ids)
+        rows = [r for r in rows if r["id"] in wanted]
+    rows = [r for r in rows if r["prompt_ids"] and r["output_ids"]]
+    if not rows:
+        raise ValueError(f"{config.distilled} holds no usable distilled samples for predictor labels")
+    return rows[: config.max_samples]
+
+
+def save_dataset(rows: list[dict[str, Any]], out: Path) -> Dataset:
+    """The labels as a `datasets` dataset in OUT/data, replaced atomically."""
+    dataset = Dataset.from_list(sorted(rows, key=lambda r: (r["id"], r["position"])))
+    tmp = out / f".{DATA_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(tmp)
+    shutil.rmtree(out / DATA_DIR, ignore_errors=True)
+    os.replace(tmp, out / DATA_DIR)
+    return dataset
+
+
+def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
+    """Collect (or resume) the labels into `out`; returns the metadata."""
+    started = time.time()
+    llm, ssms, pad_id = load_models(config)
+    samples = selected_samples(config)
+    claim_run_folder(out, config.identity())
+    done = {row["id"] for row in read_shards(out)}
+    pending = [s for s in samples if s["id"] not in done]
+    print(f"[predictor-data] {len(samples)} samples, {len(done)} done, {len(pending)} to label")
+    skipped, positions = 0, 0
+    bar = tqdm(total=len(pending), desc="labelling", unit="sample")
+    for start in range(0, len(pending), config.shard_size):
+        shard: list[dict[str, Any]] = []
+        for sample in pending[start : start + config.shard_size]:
+            rows, missed = sample_rows(llm, ssms, sample, config, pad_id)
+            shard.extend(rows)
+            skipped += missed
+            positions += len(rows)
+            bar.update(1)
+            bar.set_postfix(positions_per_s=f"{positions / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+        if shard:
+            write_shard(out, shard)
+    bar.close()
+    rows = [r for r in read_shards(out) if r["id"] in {s["id"] for s in samples}]
+    if not rows:
+        raise ValueError(
+            f"no usable positions in {config.distilled}: samples need at least {max(config.depths)} "
+            "tokens of the LLM's greedy continuation (use greedy distillation data with "
+            f"--max-new-tokens > {max(config.depths)})"
+        )
+    dataset = save_dataset(rows, out)
+    metadata = {
+        "config": asdict(config),
+        "rule": "greedy",
+        "label_shape": ["ssm", "width", "depth"],
+        "rows": len(dataset),
+        "samples": len({r["id"] for r in rows}),
+        "skipped_positions_this_run": skipped,
+        "hidden_size": len(rows[0]["hidden"]),
+        "mean_match": torch.tensor(dataset["match"]).float().mean((0,)).tolist(),
+        "wall_time_s": round(time.time() - started, 1),
+        "versions": library_versions(),
+    }
+    write_json_atomic(out / METADATA_FILE, metadata)
+    print(f"[predictor-data] {len(dataset)} positions from {metadata['samples']} samples: {out / DATA_DIR}")
+    return metadata
+
+
+def load_labels(out: str | os.PathLike[str]) -> Dataset:
+    path = Path(out) / DATA_DIR
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} does not exist: run `python -m specboost.training.predictor_data` "
+            "(`make predictor-data`)"
+        )
+    return load_from_disk(str(path))
+
+
+def parse_args(argv: list[str] | None) -> tuple[PredictorDataConfig, Path]:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--llm", required=True, help="the LLM folder (save_pretrained)")
+    p.add_argument("--ssm", dest="ssms", required=True, nargs="+", help="SSM folders, in pool order")
+    p.add_argument("--distilled", required=True, help="a distill run folder (greedy data)")
+    p.add_argument("--out", required=True, type=Path, help="run folder (resumes when rerun)")
+    p.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    p.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
+    p.add_argument("--stride", type=int, default=2, help="label every stride-th position")
+    p.add_argument("--max-positions-per-sample", type=int, default=64)
+    p.add_argument("--max-samples", type=int, help="use the first N samples")
+    p.add_argument(
+        "--held-out-of", type=Path, metavar="BOOST_DIR", help="only the samples that boost run held out"
+    )
+    p.add_argument("--shard-size", type=int, default=16, help="samples per shard")
+    p.add_argument("--threads", type=int, help="torch threads")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    only_ids = None
+    if a.held_out_of is not None:
+        only_ids = tuple(held_out_ids(a.held_out_of))
+    config = PredictorDataConfig(
+        llm=a.llm,
+        ssms=tuple(a.ssms),
+        distilled=a.distilled,
+        widths=tuple(a.widths),
+        depths=tuple(sorted(set(a.depths))),
+        stride=a.stride,
+        max_positions_per_sample=a.max_positions_per_sample,
+        max_samples=a.max_samples,
+        only_ids=only_ids,
+        shard_size=a.shard_size,
+    )
+    return config, a.out
+
+
+def held_out_ids(boost_dir: Path) -> list[int]:
+    """The sample ids a boost run kept out of training (its SSMs never saw them)."""
+    state = boost_dir / "boost_state.json"
+    if not state.is_file():
+        raise FileNotFoundError(f"{state} does not exist: give the folder of a boost run (`make boost`)")
+    return json.loads(state.read_text())["held_out_ids"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, out = parse_args(argv)
+    collect(config, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
