@@ -58,6 +58,7 @@ class LearnedScheduler:
         self.drafters = [SSMDrafter(model, i) for i, model in enumerate(ssms)]
         self.num_ssms = len(ssms)
         self.predictor = predictor.to(ssms[0].device)
+        self._predict = self.predictor.compiled()
         self.fallback = fallback or BeamShape(1, 4)
         # Options per SSM: SITS_OUT, then the grid in the predictor's output order (b major).
         self.options: list[tuple[int, int] | None] = [SITS_OUT] + [(b, d) for b in c.widths for d in c.depths]
@@ -107,7 +108,8 @@ class LearnedScheduler:
         """(b, d) or SITS_OUT per SSM for the next step."""
         if request.hidden is None:  # no LLM state yet (one-token prompt): the fixed fallback for all
             return [(self.fallback.width, self.fallback.depth)] * self.num_ssms
-        return self.best(self.predictor.predict(request.hidden).flatten(1), request.max_depth)
+        with torch.inference_mode():
+            return self.best(self._predict(request.hidden), request.max_depth)
 
     @torch.inference_mode()
     def best(self, match: torch.Tensor, max_depth: int) -> list[tuple[int, int] | None]:

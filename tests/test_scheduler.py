@@ -195,3 +195,12 @@ def test_learned_strategy_without_a_predictor_falls_back_to_the_fixed_shape(capl
     assert "needs a match-length predictor" in caplog.text
     with pytest.raises(ValueError, match="strategy must be one of"):
         SpeculativeDecoder(llm, [ssm], strategy="magic")
+
+
+def test_compiled_predictor_equals_predict() -> None:
+    """The per-step fast path (standardisation folded into the first layer) gives `predict`'s values."""
+    config = PredictorConfig(input_size=32, num_ssms=2, widths=WIDTHS, depths=DEPTHS, hidden_size=16)
+    model = MatchLengthPredictor(config)
+    model.set_input_statistics(torch.randn(64, 32) * 2 + 0.5)
+    h = torch.randn(32) * 3
+    torch.testing.assert_close(model.compiled()(h), model.predict(h).flatten(1))
