@@ -1,11 +1,18 @@
-"""Distillation data: schema, left-padding correctness, resume after a kill, settings, filters, errors."""
+"""Distillation data: schema, left-padding correctness, resume after a kill, settings, filters, errors,
+and two processes under `accelerate launch`."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import os
+import subprocess
+import time
+from collections import Counter
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -21,8 +28,10 @@ from specboost.training.distill import (
     final_number,
     load_distilled,
     main,
+    read_shards,
     repeated_block,
 )
+from specboost.training.launch import accelerate_launch
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = [
@@ -265,3 +274,61 @@ def test_a_failed_start_does_not_claim_the_run_folder(tmp_path: Path) -> None:
         == 2
     )
     assert not (out / "run.json").exists()
+
+
+# ---------------------------------------------------------------- two processes (accelerate launch)
+
+
+def launch_two_processes(argv: list[str], log: Path) -> subprocess.Popen:
+    """`accelerate launch --multi_gpu --num_processes 2 -m specboost.training.distill ARGV` on the CPU
+    (CUDA hidden: two processes must not share one GPU), output to `log`."""
+    options = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    launch = accelerate_launch([*options, "--dynamo_backend", "no"], "specboost.training.distill", argv)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as output:
+        return subprocess.Popen(launch, env=env, stdout=output, stderr=output)
+
+
+def kill_at_first_shard(process: subprocess.Popen, shards: Path, timeout: float = 60) -> None:
+    """SIGKILL the launcher and both workers once a shard has been written. The workers are the
+    launcher's children but in sessions of their own (torchrun's), so a process group kill would
+    miss them."""
+    deadline = time.monotonic() + timeout
+    while not list(shards.glob("shard-*.parquet")) and process.poll() is None:
+        assert time.monotonic() < deadline, "no shard written in time"
+        time.sleep(0.02)
+    launcher = psutil.Process(process.pid)
+    everyone = [*launcher.children(recursive=True), launcher]
+    for member in everyone:
+        member.kill()
+    psutil.wait_procs(everyone)
+    process.wait()
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="two CPU processes need torch.distributed with the gloo backend, which this torch build lacks",
+)
+def test_two_processes_split_the_prompts_and_resume_after_a_kill(llm: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "many.jsonl"
+    pairs = itertools.product(WORDS[:8], WORDS[8:16])  # 64 distinct prompts
+    prompts.write_text("".join(json.dumps({"question": f"{a} {b}"}) + "\n" for a, b in pairs))
+    out = tmp_path / "out"
+    argv = ["--llm", llm, "--prompts", str(prompts), "--prompt-field", "question", "--out", str(out)]
+    argv += ["--max-new-tokens", "12", "--batch-size", "1", "--shard-size", "2"]
+
+    kill_at_first_shard(launch_two_processes(argv, tmp_path / "killed.log"), out / "shards")
+    assert not (out / "data.parquet").exists()  # killed mid-run
+    rerun = launch_two_processes(argv, tmp_path / "rerun.log")
+    assert rerun.wait(timeout=120) == 0, (tmp_path / "rerun.log").read_text()
+
+    metadata = json.loads((out / "metadata.json").read_text())
+    train = metadata["counts"]["train_prompts"]
+    assert metadata["processes"] == 2 and 0 < metadata["counts"]["resumed_from"] < train
+    generated = Counter(row["id"] for row in read_shards(out))  # before merging's de-duplication
+    assert len(generated) == train and set(generated.values()) == {1}
+    # The same rows as one process writes: no prompt lost its output in the split.
+    distill(make_config(llm, str(prompts), max_new_tokens=12), tmp_path / "ref")
+    reference, rows = (load_distilled(path, keep_filtered=True) for path in (tmp_path / "ref", out))
+    assert len(rows) == train and rows["id"] == reference["id"]
+    assert rows["output_ids"] == reference["output_ids"]

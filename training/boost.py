@@ -69,6 +69,7 @@ from transformers import (
     TrainerState,
     TrainingArguments,
 )
+from transformers.integrations import unset_hf_deepspeed_config
 
 from specboost.speculator.model_info import check_model_location
 from specboost.training.distill import load_distilled
@@ -419,6 +420,11 @@ def train_round(
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     save_ssm(trainer, tokenizer, config.lora, out / f"ssm-{round_index}")
+    if trainer.is_deepspeed_enabled:
+        # The DeepSpeed config stays registered with transformers for the whole process; under
+        # ZeRO-3 every later from_pretrained would then partition the SSM it loads, and marking
+        # and scoring need the saved SSM whole. The next round's TrainingArguments register it again.
+        unset_hf_deepspeed_config()
     return trainer.state.global_step, float(losses[-1]) if losses else None
 
 

@@ -2,7 +2,11 @@
 
     python -m specboost.training.distill --llm artifacts/reference-llm/tiny/model --prompts gsm8k \\
         --out artifacts/distill/tiny-gsm8k --max-new-tokens 128 --batch-size 16
-    accelerate launch -m specboost.training.distill ...   # same, split over processes
+    accelerate launch --multi_gpu --num_processes 2 -m specboost.training.distill ...   # split over processes
+
+`--multi_gpu` starts the processes through torchrun, also on a machine without GPUs: then every
+process runs on the CPU and they talk over gloo (`accelerate launch --cpu` starts only one process
+unless MPI is set up). Each process generates its own share of the pending prompts.
 
 Only the TRAIN split of the prompt set is used (`load_prompt_splits`; the held-out prompts stay
 unseen for evaluation). The LLM (p) continues each prompt with `model.generate`, batched with left
@@ -239,8 +243,8 @@ def generate_pending(
     config: DistillConfig,
     out: Path,
     show_progress: bool,
-) -> int:
-    """Generate this process's prompts, one shard at a time; returns the tokens generated."""
+) -> None:
+    """Generate this process's prompts, one shard at a time."""
     eos = eos_ids(model, tokenizer)
     has_answer = "answer" in pending.column_names
     bar = tqdm(total=len(pending), unit="prompt", disable=not show_progress, desc="distill")
@@ -271,7 +275,6 @@ def generate_pending(
             bar.set_postfix(prompts_s=f"{bar.n / elapsed:.2f}", tokens_s=f"{tokens / elapsed:.1f}")
         write_shard(out, rows)
     bar.close()
-    return tokens
 
 
 # ---------------------------------------------------------------- filters
@@ -360,12 +363,15 @@ def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> 
 def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     """Generate (or resume) the distillation data in `out`; returns the metadata."""
     started = time.time()
-    accelerator = Accelerator()
+    # Without a GPU, accelerate treats processes started by torchrun as independent single-process
+    # runs (each generating every prompt) unless told to use the CPU: then they form one gloo group.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     # 1. Load (and so validate) the LLM and the prompts' train split before the settings claim
     #    the run folder: a bad path must not leave a run folder that refuses the corrected command.
     model, tokenizer = load_llm(config)
     source = prompt_source(config)
-    splits = load_prompt_splits(source, tokenizer)
+    with accelerator.main_process_first():  # one process fills the datasets cache, the others read it
+        splits = load_prompt_splits(source, tokenizer)
     if accelerator.is_main_process:
         claim_run_folder(out, config.identity())
     accelerator.wait_for_everyone()
@@ -375,16 +381,18 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
         splits[SPLIT], tokenizer, budget, add_special_tokens=not config.chat_template
     )
 
-    # 2. Skip prompts already in a complete shard; each process takes its share of the rest.
+    # 2. Skip prompts already in a complete shard; each process takes its share of the rest. Every
+    #    process must see the same shards, so none may write one before all have read them.
     done = {row["id"] for row in read_shards(out)}
     pending = tokenized.dataset.filter(lambda i: i not in done, input_columns="id")
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(
             f"[distill] {len(tokenized.dataset)} train prompts, {len(done)} done, {len(pending)} to generate"
         )
     model.to(accelerator.device)
     with accelerator.split_between_processes(list(range(len(pending)))) as mine:
-        tokens = generate_pending(
+        generate_pending(
             model, tokenizer, pending.select(mine), config, out, accelerator.is_local_main_process
         )
     accelerator.wait_for_everyone()
@@ -421,7 +429,9 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             "filtered": counts,
             "kept": sum(f == "" for f in merged["filter"]),
             "output_tokens": sum(len(o) for o in merged["output_ids"]),
-            "tokens_generated_this_run": tokens,
+            "tokens_generated_this_run": sum(
+                len(o) for i, o in zip(merged["id"], merged["output_ids"], strict=True) if i not in done
+            ),  # every process's, read back from the shards
         },
         "processes": accelerator.num_processes,
         "wall_time_s": round(time.time() - started, 1),
