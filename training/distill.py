@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.speculator.model_info import check_model_location, context_length
+from specboost.speculator.padding import left_pad
 from specboost.training.data import (
     BUNDLED_PROMPT_SETS,
     PromptSource,
@@ -165,7 +166,7 @@ def claim_run_folder(out: Path, identity: dict[str, Any]) -> None:
             diff = {k: v for k, v in diff.items() if v[0] != v[1]}
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(
-                f"{out} holds distillation data made with other settings ({changes}): "
+                f"{out} holds a run made with other settings ({changes}): "
                 "rerun with the same settings to resume, or use a new --out"
             )
     write_json_atomic(run, identity)
@@ -196,17 +197,6 @@ def write_shard(out: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 # ---------------------------------------------------------------- generation
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, T] and attention_mask [B, T], padded on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
 
 
 def trim_output(tokens: list[int], eos: set[int]) -> tuple[list[int], str]:
