@@ -69,7 +69,7 @@ class OracleScheduler(LearnedScheduler):
         cost_model: CostModel,
         references: list[list[int]],
     ) -> None:
-        super().__init__(ssms, predictor, cost_model)
+        super().__init__(ssms, predictor, cost_model, calibration=None)
         self.models = ssms
         self.references = references
         self.wants_hidden = False
@@ -96,7 +96,7 @@ class OracleScheduler(LearnedScheduler):
                 for m in self.models
             ]
         ).float()  # [S, widths * depths], the predictor's order
-        chosen = self.best(true, request.max_depth)
+        chosen = [self.options[o] for o in self.best(true, request.max_depth)]
         self.untimed_seconds += time.perf_counter() - start
         return chosen
 

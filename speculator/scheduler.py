@@ -48,6 +48,7 @@ class LearnedScheduler:
         cost_model: CostModel,
         fallback: BeamShape | None = None,
         max_joint_choices: int = 1 << 16,
+        calibration: float | None = 0.9,
     ) -> None:
         c = predictor.config
         if c.num_ssms != len(ssms) or cost_model.num_ssms != len(ssms):
@@ -64,6 +65,11 @@ class LearnedScheduler:
         self.options: list[tuple[int, int] | None] = [SITS_OUT] + [(b, d) for b in c.widths for d in c.depths]
         self.joint = (len(self.options) ** self.num_ssms) <= max_joint_choices
         self._precompute_costs(cost_model)
+        if calibration is not None and not 0 <= calibration < 1:
+            raise ValueError(f"calibration is a momentum in [0, 1) (or None: off), got {calibration}")
+        self.calibration = calibration
+        # Running sums of accepted and predicted match lengths (one pseudo-step of prior: scale 1).
+        self._accepted_sum, self._predicted_sum = 1.0, 1.0
         self.reset(None)
 
     def _precompute_costs(self, cost: CostModel) -> None:
@@ -100,31 +106,46 @@ class LearnedScheduler:
         for drafter in self.drafters:
             drafter.reset()
         self.history: list[list[tuple[int, int] | None]] = []
+        self.scales: list[float] = []
+        self._predicted: float | None = None  # predicted match of the last launched choice
         self.decision_seconds = 0.0
         self.step_seconds = 0.0
         self._last_step_start: float | None = None
 
+    @property
+    def scale(self) -> float:
+        """Online calibration: accepted / predicted match lengths over recent steps. A predictor
+        trained on other text over- or under-estimates everywhere alike; scaling its predictions
+        by what the LLM actually accepts corrects that within a few steps."""
+        if self.calibration is None:
+            return 1.0
+        return min(2.0, max(0.1, self._accepted_sum / self._predicted_sum))
+
     def choose(self, request: DraftRequest) -> list[tuple[int, int] | None]:
         """(b, d) or SITS_OUT per SSM for the next step."""
+        self._predicted = None
         if request.hidden is None:  # no LLM state yet (one-token prompt): the fixed fallback for all
             return [(self.fallback.width, self.fallback.depth)] * self.num_ssms
         with torch.inference_mode():
-            return self.best(self._predict(request.hidden), request.max_depth)
+            match = self._predict(request.hidden)  # [S, grid]
+            choice = self.best(match * self.scale, request.max_depth)
+            launched = [match[i, o - 1].item() for i, o in enumerate(choice) if o > 0]
+        self._predicted = min(max(launched), request.max_depth) if launched else None
+        return [self.options[o] for o in choice]
 
     @torch.inference_mode()
-    def best(self, match: torch.Tensor, max_depth: int) -> list[tuple[int, int] | None]:
-        """The choice of highest expected tokens per second, given expected match lengths [S, grid]
-        in the predictor's output order (kept lean: it runs every step)."""
+    def best(self, match: torch.Tensor, max_depth: int) -> list[int]:
+        """Option indices (0: sits out) of the choice with the most expected tokens per second,
+        given expected match lengths [S, grid] in the predictor's output order (kept lean: it runs
+        every step)."""
         f = self._f
         f[:, 1:] = match  # option 0 (sits out) stays 0
         if max_depth < self._max_option_depth:  # near the end: no match beyond the tokens wanted
             f[:, 1:].clamp_(max=max_depth)
         if self.joint:
             expected = f.gather(1, self._choices_t).amax(0).add_(1)  # [C]
-            best = self.choices[int(expected.div_(self.seconds).argmax())].tolist()
-        else:
-            best = (f + 1).div_(self.seconds).argmax(1).tolist()
-        return [self.options[o] for o in best]
+            return self.choices[int(expected.div_(self.seconds).argmax())].tolist()
+        return (f + 1).div_(self.seconds).argmax(1).tolist()
 
     def propose(self, request: DraftRequest) -> TokenTree:
         now = time.perf_counter()
@@ -144,7 +165,14 @@ class LearnedScheduler:
         return trees[0] if len(trees) == 1 else merge_trees(trees)
 
     def observe(self, feedback: StepFeedback) -> None:
-        """The scheduler decides from the hidden state alone; no state to update."""
+        """Update the calibration with what the LLM accepted of a predicted draft. It persists
+        across `generate` calls: it measures the predictor on this workload, not on one sequence."""
+        if self.calibration is None or self._predicted is None:
+            return
+        momentum = self.calibration
+        self._accepted_sum = momentum * self._accepted_sum + len(feedback.accepted)
+        self._predicted_sum = momentum * self._predicted_sum + self._predicted
+        self.scales.append(self.scale)
 
     def report(self) -> dict:
         """Choices per step and the scheduler's own share of the decoding time."""
@@ -154,6 +182,7 @@ class LearnedScheduler:
             "strategy": "learned",
             "choices": [[None if o is None else list(o) for o in step] for step in self.history],
             "mean_ssms_launched": sum(launched) / steps if steps else 0.0,
+            "calibration_scale": self.scales,
             "decision_seconds": self.decision_seconds,
             # Time between the first and the last propose call: all steps but the last.
             "overhead_fraction": self.decision_seconds / self.step_seconds if self.step_seconds else 0.0,

@@ -17,7 +17,8 @@ from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.scheduler import LearnedScheduler
-from specboost.speculator.speculation import DraftRequest
+from specboost.speculator.speculation import DraftRequest, StepFeedback
+from specboost.speculator.tree import TokenTree
 from specboost.training.predictor_data import DATA_DIR, METADATA_FILE
 from specboost.training.train_predictor import TrainPredictorConfig, train_predictor
 
@@ -204,3 +205,22 @@ def test_compiled_predictor_equals_predict() -> None:
     model.set_input_statistics(torch.randn(64, 32) * 2 + 0.5)
     h = torch.randn(32) * 3
     torch.testing.assert_close(model.compiled()(h), model.predict(h).flatten(1))
+
+
+def test_calibration_learns_that_the_predictor_overestimates() -> None:
+    """A predictor that promises 3.5 matching tokens where the LLM accepts none: after a few
+    steps of feedback the scheduler stops launching the SSM (the same costs as the first test)."""
+    ssms = [tiny_llama(layers=1)]
+    verify = [1e-3 + 0.25e-3 * (n - 1) for n in (1, 2, 4, 8, 16)]
+    speculate = {"1,1": 0.1e-3, "1,4": 0.4e-3, "2,1": 0.2e-3, "2,4": 0.8e-3}
+    predictor = constant_predictor([[[0.9, 3.5], [0.95, 3.6]]])
+    scheduler = LearnedScheduler(ssms, predictor, cost_table(1, verify, speculate))
+    uncalibrated = LearnedScheduler(ssms, predictor, cost_table(1, verify, speculate), calibration=None)
+    tree = TokenTree.root_only(0)
+    for _ in range(10):
+        assert uncalibrated.choose(request()) == [(1, 4)]
+        if scheduler.choose(request()) == [None]:
+            break
+        scheduler.observe(StepFeedback(tree, [], 1e-3))
+    assert scheduler.choose(request()) == [None]
+    assert scheduler.scale < 0.3
