@@ -128,18 +128,17 @@ class LearnedScheduler:
             return [(self.fallback.width, self.fallback.depth)] * self.num_ssms
         with torch.inference_mode():
             match = self._predict(request.hidden)  # [S, grid]
-            choice = self.best(match * self.scale, request.max_depth)
-            launched = [match[i, o - 1].item() for i, o in enumerate(choice) if o > 0]
-        self._predicted = min(max(launched), request.max_depth) if launched else None
+            choice = self.best(match, request.max_depth, self.scale)
+            launched = [match[i, o - 1] for i, o in enumerate(choice) if o > 0]
+        self._predicted = min(float(max(launched)), request.max_depth) if launched else None
         return [self.options[o] for o in choice]
 
-    @torch.inference_mode()
-    def best(self, match: torch.Tensor, max_depth: int) -> list[int]:
+    def best(self, match: torch.Tensor, max_depth: int, scale: float = 1.0) -> list[int]:
         """Option indices (0: sits out) of the choice with the most expected tokens per second,
         given expected match lengths [S, grid] in the predictor's output order (kept lean: it runs
         every step)."""
         f = self._f
-        f[:, 1:] = match  # option 0 (sits out) stays 0
+        torch.mul(match, scale, out=f[:, 1:])  # option 0 (sits out) stays 0
         if max_depth < self._max_option_depth:  # near the end: no match beyond the tokens wanted
             f[:, 1:].clamp_(max=max_depth)
         if self.joint:
