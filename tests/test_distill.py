@@ -332,3 +332,31 @@ def test_two_processes_split_the_prompts_and_resume_after_a_kill(llm: str, tmp_p
     reference, rows = (load_distilled(path, keep_filtered=True) for path in (tmp_path / "ref", out))
     assert len(rows) == train and rows["id"] == reference["id"]
     assert rows["output_ids"] == reference["output_ids"]
+
+
+def test_use_pool_generates_the_same_outputs_through_the_speculative_decoder(
+    prompts: str, tmp_path: Path
+) -> None:
+    """`--use-pool`: an exported pool drafts, the LLM verifies; greedy outputs equal plain distill's."""
+    from test_export_pool import make_boost
+
+    from specboost.decoder.tiny_models import build_tiny_models
+    from specboost.training import export
+
+    llm_dir, ssm_dirs = build_tiny_models(tmp_path / "tiny")
+    export.export_pool(make_boost(tmp_path, (llm_dir, ssm_dirs)), tmp_path / "pool")
+    plain = distill(make_config(str(llm_dir), prompts, max_new_tokens=10), tmp_path / "plain")
+    pooled = distill(
+        make_config(str(llm_dir), prompts, max_new_tokens=10, use_pool=str(tmp_path / "pool")),
+        tmp_path / "pooled",
+    )
+    assert pooled["generation"]["use_pool"] == str(tmp_path / "pool")
+    a, b = (
+        load_distilled(tmp_path / "plain", keep_filtered=True),
+        load_distilled(tmp_path / "pooled", keep_filtered=True),
+    )
+    assert a["output_ids"] == b["output_ids"] and a["finish_reason"] == b["finish_reason"]
+    assert plain["counts"]["rows"] == pooled["counts"]["rows"] == 11
+    with pytest.raises(FileNotFoundError, match="no SSM pool"):
+        distill(make_config(str(llm_dir), prompts, use_pool=str(tmp_path / "nowhere")), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()  # checked before the run folder is claimed

@@ -18,6 +18,9 @@ complete), and finally `data.parquet` (every prompt exactly once, with the filte
 if any) and `metadata.json`. A killed run (even kill -9) resumes by rerunning the same command:
 prompts already in a complete shard are skipped. Other settings are refused.
 
+`--use-pool POOL` (an exported pool, `make export`) generates through the lossless speculative
+decoder instead of `model.generate`: the same greedy outputs, the same sampling distribution.
+
 Rows: id, prompt, prompt_ids, output_ids, output (text), finish_reason ("eos" | "length") and
 answer when the prompt set has reference answers. `load_distilled(out)` gives the kept rows.
 
@@ -49,6 +52,8 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specboost.decoder.decoder import SpeculativeDecoder
+from specboost.decoder.pool import SSMPool
 from specboost.speculator.model_info import check_model_location, context_length
 from specboost.speculator.padding import left_pad
 from specboost.training.data import (
@@ -88,6 +93,9 @@ class DistillConfig:
     dtype: str = "auto"
     # how to run (free to change between resumes)
     batch_size: int = 8
+    # an exported SSM pool (folder or hub id): generate through the lossless speculative decoder
+    # (the same greedy outputs, the same sampling distribution; faster once a pool exists)
+    use_pool: str | None = None
     # filters, applied at merge time
     drop_truncated: bool = False
     repeat_max_ngram: int = 8  # longest repeated block looked for
@@ -105,7 +113,7 @@ class DistillConfig:
 
     def identity(self) -> dict[str, Any]:
         """Settings that change what is generated: a resume must match them exactly."""
-        free = {"batch_size", "drop_truncated", "repeat_max_ngram", "repeat_min_count"}
+        free = {"batch_size", "use_pool", "drop_truncated", "repeat_max_ngram", "repeat_min_count"}
         settings = {k: v for k, v in asdict(self).items() if k not in free}
         if not self.do_sample:
             settings.pop("temperature"), settings.pop("top_p"), settings.pop("seed")
@@ -150,6 +158,15 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
     if tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
     return found
+
+
+def load_pool(
+    location: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
+) -> SSMPool:
+    """An exported pool, checked to be trained for this LLM, on the device the LLM will use."""
+    pool = SSMPool.from_pretrained(location, device=device, dtype=model.dtype)
+    pool.check_llm(model, tokenizer)
+    return pool
 
 
 # ---------------------------------------------------------------- run folder, shards, resume
@@ -209,25 +226,39 @@ def trim_output(tokens: list[int], eos: set[int]) -> tuple[list[int], str]:
 
 @torch.no_grad()
 def generate_batch(
-    model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos: set[int], config: DistillConfig
+    generator: PreTrainedModel | SpeculativeDecoder,
+    prompts: list[list[int]],
+    pad_id: int,
+    eos: set[int],
+    config: DistillConfig,
+    seed: int,
 ) -> list[tuple[list[int], str]]:
-    """(output_ids, finish_reason) for each prompt."""
+    """(output_ids, finish_reason) for each prompt, from `model.generate` or the speculative decoder."""
     ids, mask = left_pad(prompts, pad_id)  # [B, T]
     sampling = {"temperature": config.temperature, "top_p": config.top_p} if config.do_sample else {}
-    out = model.generate(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        max_new_tokens=config.max_new_tokens,
-        do_sample=config.do_sample,
-        pad_token_id=pad_id,
-        eos_token_id=sorted(eos) or None,
-        **sampling,
-    )  # [B, T + new]; finished rows are padded
+    common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample, **sampling)
+    if isinstance(generator, SpeculativeDecoder):
+        device = generator.llm.device
+        out = generator.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            eos_token_id=sorted(eos) or None,
+            seed=seed,
+            **common,
+        ).sequences
+    else:
+        out = generator.generate(
+            input_ids=ids.to(generator.device),
+            attention_mask=mask.to(generator.device),
+            pad_token_id=pad_id,
+            eos_token_id=sorted(eos) or None,
+            **common,
+        )  # [B, T + new]; finished rows are padded
     return [trim_output(row.tolist(), eos) for row in out[:, ids.shape[1] :].cpu()]
 
 
 def generate_pending(
-    model: PreTrainedModel,
+    generator: PreTrainedModel | SpeculativeDecoder,
     tokenizer: PreTrainedTokenizerBase,
     pending: Dataset,
     config: DistillConfig,
@@ -235,7 +266,7 @@ def generate_pending(
     show_progress: bool,
 ) -> None:
     """Generate this process's prompts, one shard at a time."""
-    eos = eos_ids(model, tokenizer)
+    eos = eos_ids(generator.llm if isinstance(generator, SpeculativeDecoder) else generator, tokenizer)
     has_answer = "answer" in pending.column_names
     bar = tqdm(total=len(pending), unit="prompt", disable=not show_progress, desc="distill")
     started, tokens = time.perf_counter(), 0
@@ -244,9 +275,10 @@ def generate_pending(
         rows: list[dict[str, Any]] = []
         for b in range(0, len(shard), config.batch_size):
             batch = shard[b : b + config.batch_size]
-            if config.do_sample:  # reproducible for the same batches, whatever ran before
-                transformers.set_seed(config.seed * 1_000_003 + batch["id"][0])
-            results = generate_batch(model, batch["input_ids"], tokenizer.pad_token_id, eos, config)
+            seed = config.seed * 1_000_003 + batch["id"][0]  # reproducible per batch, whatever ran before
+            if config.do_sample:
+                transformers.set_seed(seed)
+            results = generate_batch(generator, batch["input_ids"], tokenizer.pad_token_id, eos, config, seed)
             for i, (output_ids, reason) in enumerate(results):
                 row = {
                     "id": batch["id"][i],
@@ -359,6 +391,9 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     # 1. Load (and so validate) the LLM and the prompts' train split before the settings claim
     #    the run folder: a bad path must not leave a run folder that refuses the corrected command.
     model, tokenizer = load_llm(config)
+    pool = (
+        None if config.use_pool is None else load_pool(config.use_pool, model, tokenizer, accelerator.device)
+    )
     source = prompt_source(config)
     with accelerator.main_process_first():  # one process fills the datasets cache, the others read it
         splits = load_prompt_splits(source, tokenizer)
@@ -381,9 +416,10 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             f"[distill] {len(tokenized.dataset)} train prompts, {len(done)} done, {len(pending)} to generate"
         )
     model.to(accelerator.device)
+    generator = model if pool is None else SpeculativeDecoder(model, pool, tokenizer)
     with accelerator.split_between_processes(list(range(len(pending)))) as mine:
         generate_pending(
-            model, tokenizer, pending.select(mine), config, out, accelerator.is_local_main_process
+            generator, tokenizer, pending.select(mine), config, out, accelerator.is_local_main_process
         )
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
@@ -401,6 +437,7 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             "max_new_tokens": config.max_new_tokens,
             "dtype": config.dtype,
             "batch_size": config.batch_size,
+            "use_pool": config.use_pool,
             "padding": "left",
         },
         "config": asdict(config),
@@ -443,6 +480,12 @@ def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
     p.add_argument("--out", type=Path, default=None, help="run folder (default artifacts/distill/<prompts>)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--use-pool",
+        default=None,
+        metavar="POOL",
+        help="exported SSM pool (folder or hub id): generate through the speculative decoder",
+    )
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -474,6 +517,7 @@ def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
         shard_size=a.shard_size,
         dtype=a.dtype,
         batch_size=a.batch_size,
+        use_pool=a.use_pool,
         drop_truncated=a.drop_truncated,
         repeat_max_ngram=a.repeat_max_ngram,
         repeat_min_count=a.repeat_min_count,
