@@ -81,6 +81,20 @@ bench-decoder: $(STAMP)
 	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) $(BENCH_FLAGS) \
 		--out $(ARTIFACTS)/bench-decoder
 
+# Benchmark suite: builds (or reuses) the fixture in ARTIFACTS/bench-fixture/<fixture> (reference LLM,
+# distilled data, boosted pool, predictor, hardware profile, Sequoia acceptance, export), then runs
+# every method on the bundled held-out workloads; report.md, suite.json and plots go to
+# ARTIFACTS/bench-suite/<fixture>. SUITE=quick: the tiny fixture (minutes); FIXTURE=tiny|small
+# overrides the suite's fixture; SUITE_FLAGS="--readme README.md" also fills the README's results.
+SUITE ?= default
+FIXTURE ?=
+SUITE_FLAGS ?=
+.PHONY: bench
+
+bench: $(STAMP)
+	$(BIN)/specboost bench --suite $(SUITE) --artifacts $(ARTIFACTS) $(if $(FIXTURE),--fixture $(FIXTURE)) \
+		$(SUITE_FLAGS)
+
 # Tokenizer + Llama trained on data/corpus; reruns resume from OUT/checkpoints or skip a finished run.
 reference-llm: $(STAMP)
 	$(BIN)/python -m specboost.training.reference_llm --preset $(PRESET) --out $(OUT) $(if $(THREADS),--threads $(THREADS))
@@ -116,6 +130,33 @@ scheduler-eval: $(STAMP)
 	$(MAKE) export EXPORT_BOOST=$(SCHED_POOL)
 	$(BIN)/python -m specboost.decoder.scheduler_eval --llm $(SCHED_LLM) --pool $(EXPORT_OUT) \
 		--prompts $(SCHED_PROMPTS) $(SCHED_EVAL_FLAGS) --out $(ARTIFACTS)/scheduler-eval
+
+# Sequoia (ALGORITHMS.md 8): every SSM's positional acceptance vector on the boost run's held-out
+# distilled samples, into BOOST_OUT/sequoia_acceptance.json (`make export` ships it for strategy="sequoia").
+SEQUOIA_FLAGS ?= --threads 1
+# strategy-compare: Sequoia trees vs k chains, majority vs single SSMs, adaptive vs fixed lengths (exports first).
+STRATEGY_COMPARE_FLAGS ?= --max-prompts 5 --max-new-tokens 64 --repeats 2 --threads 1
+.PHONY: sequoia-acceptance strategy-compare
+
+sequoia-acceptance: $(STAMP)
+	$(BIN)/python -m specboost.training.sequoia_trees --llm $(BOOST_LLM) --ssm $(BOOST_OUT)/ssm-* \
+		--distilled $(BOOST_DISTILLED) --held-out-from $(BOOST_OUT)/boost_record.json $(SEQUOIA_FLAGS) \
+		--out $(BOOST_OUT)/sequoia_acceptance.json
+
+strategy-compare: $(STAMP)
+	test -f $(BOOST_OUT)/sequoia_acceptance.json || $(MAKE) sequoia-acceptance
+	$(MAKE) export EXPORT_BOOST=$(BOOST_OUT)
+	$(BIN)/python -m specboost.decoder.strategy_compare --llm $(BOOST_LLM) --pool $(EXPORT_OUT) \
+		$(STRATEGY_COMPARE_FLAGS) --out $(ARTIFACTS)/strategy-compare
+
+# Batched decoding (BASS) and the serving engine with and without pipelining (Minions) vs plain
+# batched generate at batch sizes 1-16, greedy (~8 minutes on 2 cores); needs the demo's LLM and pool.
+BATCH_BENCH_FLAGS ?= --llm $(ARTIFACTS)/reference-llm/tiny/model --ssm $(ARTIFACTS)/pool/ssm-0 \
+	--num-prompts 32 --max-new-tokens 48 --repeats 3 --threads 1
+.PHONY: bench-batched
+
+bench-batched: $(STAMP)
+	$(BIN)/python -m specboost.decoder.batch_bench $(BATCH_BENCH_FLAGS) --out $(ARTIFACTS)/batch-bench
 
 # From a fresh clone, nothing downloaded: reference LLM (tiny) -> distill -> boost -> export ->
 # tokens/step and speedup of the pool vs the LLM alone (and HF assisted generation).

@@ -3,6 +3,7 @@
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats
+from specboost.decoder.strategies import StrategyOptions
 from specboost.decoder.verify import Rule
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
 
@@ -14,5 +15,6 @@ __all__ = [
     "SSMPool",
     "SpeculativeDecoder",
     "SpeculativeOutput",
+    "StrategyOptions",
     "TopologyShape",
 ]

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import transformers
@@ -247,6 +248,30 @@ def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
 
 
 # Methods --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decoding:
+    """How every method decodes: greedy (the default), or sampling with one fixed seed, so that
+    every repeat of a method draws the same tokens."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"sample(T={self.temperature:g}, top_p={self.top_p:g})" if self.do_sample else "greedy"
+
+    def options(self) -> dict:
+        """The sampling options of `llm.generate` and `SpeculativeDecoder.generate`."""
+        if not self.do_sample:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+
+
+GREEDY = Decoding()
+
+
 @dataclass
 class MethodResult:
     tokens: list[int]  # the new tokens
@@ -261,7 +286,8 @@ class MethodResult:
 class Method:
     name: str
     description: str
-    run: Callable[[torch.Tensor, torch.Tensor], MethodResult]  # (input_ids [1, L], attention_mask [1, L])
+    # (input_ids [B, L], attention_mask [B, L]); B > 1 only for batched methods (left padding)
+    run: Callable[[torch.Tensor, torch.Tensor], MethodResult]
 
 
 class ForwardCounter:
@@ -275,36 +301,57 @@ class ForwardCounter:
         self.count += 1
 
 
+def _new_tokens(sequences: torch.Tensor, input_ids: torch.Tensor) -> list[int]:
+    """The generated tokens of every row, row after row."""
+    return sequences[:, input_ids.shape[1] :].flatten().tolist()
+
+
 def _hf_method(
-    name: str, description: str, llm: PreTrainedModel, counter: ForwardCounter, max_new: int, **kwargs
+    name: str,
+    description: str,
+    llm: PreTrainedModel,
+    counter: ForwardCounter,
+    max_new: int,
+    decoding: Decoding = GREEDY,
+    **kwargs,
 ) -> Method:
     def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> MethodResult:
         before = counter.count
+        if decoding.do_sample:
+            torch.manual_seed(decoding.seed)
         out = llm.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=max_new,
-            do_sample=False,
+            **decoding.options(),
             **kwargs,
         )
-        return MethodResult(out[0, input_ids.shape[1] :].tolist(), counter.count - before)
+        # LLM passes per sequence (a batched pass serves every row), as batched decoding counts them
+        return MethodResult(_new_tokens(out, input_ids), (counter.count - before) * input_ids.shape[0])
 
     return Method(name, description, run)
 
 
 def _our_method(
-    name: str, description: str, decoder: SpeculativeDecoder, ssm_indices: list[int], max_new: int
+    name: str,
+    description: str,
+    decoder: SpeculativeDecoder,
+    ssm_indices: list[int],
+    max_new: int,
+    decoding: Decoding = GREEDY,
 ) -> Method:
+    seed = decoding.seed if decoding.do_sample else None
+
     def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> MethodResult:
         out = decoder.generate(
-            input_ids, attention_mask=attention_mask, max_new_tokens=max_new, do_sample=False
+            input_ids, attention_mask=attention_mask, max_new_tokens=max_new, seed=seed, **decoding.options()
         )
         s = out.stats
         stats = s.to_dict()
         for key in ("proposed_per_ssm", "accepted_per_ssm", "acceptance_rate_per_ssm"):
             # The decoder numbers its own SSMs 0..n-1; report the bench's numbering.
             stats[key] = {ssm_indices[i]: v for i, v in stats[key].items()}
-        tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+        tokens = _new_tokens(out.sequences, input_ids)
         untimed = s.strategy.get("untimed_seconds", 0.0)  # an oracle's lookahead is not decoding work
         return MethodResult(tokens, s.llm_steps, s.draft_tokens, s.accepted_tokens, stats, untimed)
 
@@ -374,7 +421,14 @@ def _assistant_settings(ssm: PreTrainedModel) -> dict:
     return {name: getattr(config, name, None) for name in names}
 
 
-def machine_info(config: BenchConfig) -> dict:
+class OnDevice(Protocol):
+    """What `machine_info` reads from a configuration (`BenchConfig`, the suite's `SuiteConfig`)."""
+
+    dtype: str
+    device: str
+
+
+def machine_info(config: OnDevice) -> dict:
     info = {
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,10 +29,14 @@ from specboost.decoder.bench import (
 )
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.profiler import ProfileConfig, profile
-from specboost.decoder.strategies import STRATEGIES
+from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
+from specboost.decoder.suite import SUITES, markdown_report, resolve_suite, run_and_write
+from specboost.decoder.suite_fixture import FIXTURES, build_fixture
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
+from specboost.speculator.length_control import CONTROLLERS
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.sequoia_acceptance import load_acceptance_file
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 
 _TOPOLOGY_TEXT = json.dumps([list(level) for level in DEFAULT_TOPOLOGY])
@@ -52,14 +57,18 @@ def _topology(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(level) for level in levels)
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _add_model_options(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument(
-        "--llm", required=True, type=Path, metavar="PATH", help="folder of the target LLM (save_pretrained)"
+        "--llm",
+        required=required,
+        type=Path,
+        metavar="PATH",
+        help="folder of the target LLM (save_pretrained)",
     )
     parser.add_argument(
         "--ssm",
         dest="ssms",
-        required=True,
+        required=required,
         type=Path,
         nargs="+",
         action="extend",
@@ -115,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, metavar="S", help="seed for reproducible sampling")
     shape = gen.add_argument_group("draft shape (what every SSM drafts per step)")
     shape.add_argument(
-        "--shape", choices=("chain", "beam", "topology"), default="chain", help="(default: chain)"
+        "--shape",
+        choices=("chain", "beam", "topology"),
+        help="(default: chain; none for --strategy sequoia, which builds its own tree)",
     )
     shape.add_argument("--length", type=int, default=4, metavar="L", help="chain length (default: 4)")
     shape.add_argument("--width", type=int, default=2, metavar="W", help="beam width (default: 2)")
@@ -142,7 +153,45 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         default="pool",
         help="pool: every SSM drafts the shape above, trees merged; learned: the learned scheduler picks a "
-        "beam per SSM and step (needs --predictor) (default: pool)",
+        "beam per SSM and step (needs --predictor); majority: only the weighted-majority chain is verified; "
+        "pruned: the merged tree cut to --budget nodes by SSM weight; sequoia: one SSM fills a DP-optimal "
+        "tree (needs --acceptance, and --nodes or --profile) (default: pool)",
+    )
+    strategy.add_argument(
+        "--length-controller",
+        choices=sorted(CONTROLLERS),
+        help="adapt the chain length every step (pool, majority, pruned with chain shapes): minions "
+        "(Minions 3.3) or bass (BASS Algorithm 1) (default: fixed --length)",
+    )
+    strategy.add_argument(
+        "--budget",
+        type=int,
+        metavar="N",
+        help=f"pruned: drafted nodes kept per step (default: {DEFAULT_BUDGET})",
+    )
+    strategy.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="sequoia: tree size, root included (default: chosen for this hardware from --profile)",
+    )
+    strategy.add_argument(
+        "--max-tree-depth",
+        type=int,
+        metavar="D",
+        help="sequoia: depth bound of the tree (default: none with --nodes, 16 with --profile)",
+    )
+    strategy.add_argument(
+        "--acceptance",
+        type=Path,
+        metavar="FILE",
+        help="sequoia: acceptance vectors, one per --ssm (`make sequoia-acceptance` writes them)",
+    )
+    strategy.add_argument(
+        "--sequoia-ssm",
+        type=int,
+        metavar="I",
+        help="sequoia: the SSM that drafts (default: the most promising)",
     )
     strategy.add_argument(
         "--predictor", type=Path, metavar="DIR", help="match-length predictor folder (make predictor)"
@@ -151,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         type=Path,
         metavar="FILE",
-        help="hardware_profile.json from `specboost profile` (default: measured on the spot)",
+        help="hardware_profile.json from `specboost profile` (learned: default measured on the spot; "
+        "sequoia: picks the tree size)",
     )
     strategy.add_argument(
         "--force-profile", action="store_true", help="use a profile measured on other hardware"
@@ -179,19 +229,22 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default)")
 
     bench = commands.add_parser(
-        "bench", help="compare our modes with plain and HF assisted generation on a prompt file (greedy)"
+        "bench",
+        help="compare our modes with plain and HF assisted generation on a prompt file (greedy), or run "
+        "the benchmark suite (--suite)",
     )
-    _add_model_options(bench)
+    _add_model_options(bench, required=False)
     bench.add_argument(
-        "--prompts",
-        required=True,
+        "--prompts", type=Path, metavar="FILE", help=".txt (one prompt per line) or .jsonl file"
+    )
+    bench.add_argument(
+        "--out",
         type=Path,
-        metavar="FILE",
-        help=".txt (one prompt per line) or .jsonl file",
+        metavar="DIR",
+        help="folder to write bench.json into (with --suite: the report folder, default "
+        "ARTIFACTS/bench-suite/<fixture>)",
     )
-    bench.add_argument(
-        "--out", required=True, type=Path, metavar="DIR", help="folder to write bench.json into"
-    )
+    _add_suite_options(bench)
     bench.add_argument(
         "--max-new-tokens", type=int, default=64, metavar="N", help="tokens per prompt (default: 64)"
     )
@@ -230,9 +283,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_suite_options(bench: argparse.ArgumentParser) -> None:
+    suite = bench.add_argument_group(
+        "benchmark suite (--suite: builds its own fixture; --llm, --ssm, --prompts and the options above "
+        "are not used)"
+    )
+    suite.add_argument(
+        "--suite",
+        metavar="NAME|FILE",
+        help=f"run the benchmark suite: {' or '.join(SUITES)} (make bench), or a JSON file of SuiteConfig "
+        "settings",
+    )
+    suite.add_argument("--fixture", choices=sorted(FIXTURES), help="override the suite's fixture")
+    suite.add_argument(
+        "--spec-bench", type=Path, metavar="FILE", help="a Spec-Bench question file (JSONL) as the workloads"
+    )
+    suite.add_argument(
+        "--artifacts", type=Path, default=Path("artifacts"), metavar="DIR", help="(default: artifacts)"
+    )
+    suite.add_argument(
+        "--readme", type=Path, metavar="FILE", help="also fill this README's '## Benchmark results' section"
+    )
+    suite.add_argument(
+        "--dry-run", action="store_true", help="list the fixture steps that would run; run nothing"
+    )
+
+
 # generate ---------------------------------------------------------------------------------------
-def _shape(args: argparse.Namespace) -> DraftShape:
-    if args.shape == "chain":
+def _shape(args: argparse.Namespace) -> DraftShape | None:
+    if args.shape is None and args.strategy == "sequoia":
+        return None
+    if args.shape in (None, "chain"):
         return ChainShape(args.length)
     if args.shape == "beam":
         return BeamShape(args.width, args.depth)
@@ -262,6 +343,13 @@ def generate(args: argparse.Namespace) -> int:
     if args.profile is not None:
         key = device_key(models.llm.device, models.llm.dtype)
         cost_model = load_cost_model(args.profile, key, args.force_profile)
+    options = StrategyOptions(
+        budget=args.budget,
+        nodes=args.nodes,
+        depth=args.max_tree_depth,
+        acceptance=load_acceptance_file(args.acceptance) if args.acceptance is not None else None,
+        ssm=args.sequoia_ssm,
+    )
     decoder = SpeculativeDecoder(
         models.llm,
         models.ssms,
@@ -273,6 +361,8 @@ def generate(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         predictor=predictor,
         cost_model=cost_model,
+        length_controller=args.length_controller,
+        strategy_options=options,
     )
     inputs = models.tokenizer(args.prompt, return_tensors="pt").to(models.llm.device)
     with torch.inference_mode():
@@ -319,6 +409,8 @@ def profile_command(args: argparse.Namespace) -> int:
 
 # bench ------------------------------------------------------------------------------------------
 def bench(args: argparse.Namespace) -> int:
+    if args.suite is not None:
+        return bench_suite(args)
     config = BenchConfig(
         llm=args.llm,
         ssms=args.ssms,
@@ -353,11 +445,45 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_suite(args: argparse.Namespace) -> int:
+    config = resolve_suite(args.suite)
+    config = replace(
+        config,
+        fixture=args.fixture or config.fixture,
+        spec_bench=str(args.spec_bench) if args.spec_bench else config.spec_bench,
+    )
+    if args.dry_run:
+        build_fixture(config.fixture, args.artifacts, config.threads, dry_run=True)
+        return 0
+    out = args.out or args.artifacts / "bench-suite" / config.fixture
+    report = run_and_write(
+        config, out, args.artifacts, args.readme, log=lambda line: print(line, file=sys.stderr)
+    )
+    print(markdown_report(report))
+    print(f"wrote {out}")
+    differing = [
+        row.method for table in report.tables() for row in table.rows if row.identical_to_plain is False
+    ]
+    if differing:
+        print(
+            f"error: greedy output differs from plain llm.generate for {sorted(set(differing))}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.suite is None:
+        options = {"llm": "--llm", "ssms": "--ssm", "prompts": "--prompts", "out": "--out"}
+        missing = [option for name, option in options.items() if getattr(args, name) is None]
+        if missing:
+            parser.error(f"bench needs {', '.join(missing)} (or --suite)")
     try:
-        for path in (args.llm, *args.ssms):  # fail fast, before anything loads
+        models = [] if args.llm is None else [args.llm, *args.ssms]  # none with --suite
+        for path in models:  # fail fast, before anything loads
             check_model_path(path)
         commands = {"generate": generate, "profile": profile_command, "bench": bench}
         return commands[args.command](args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -18,17 +18,21 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats, PhaseTimer
 from specboost.decoder.stopping import StopCriteria
-from specboost.decoder.strategies import StrategyInputs, make_speculator
+from specboost.decoder.strategies import StrategyInputs, StrategyOptions, make_speculator
 from specboost.decoder.target import TargetState
 from specboost.decoder.validation import check_causal_lm, check_same_vocabulary, context_length
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier, Verifier
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import CostModel
+from specboost.speculator.length_control import LengthController
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import DraftShape
 from specboost.speculator.speculation import DraftRequest, Speculator, StepFeedback
 from specboost.speculator.tree import TokenTree
+
+if TYPE_CHECKING:
+    from specboost.decoder.batched import BatchedOutput
 
 # Generation options the decoder does not implement, with the value that leaves them off.
 _UNSUPPORTED_OPTIONS = {"repetition_penalty": 1.0, "num_beams": 1, "min_p": 0.0, "no_repeat_ngram_size": 0}
@@ -57,11 +61,19 @@ class SpeculativeDecoder:
         speculator: a custom speculation strategy (overrides `strategy` and `shape`).
         ssm_tokenizers: the SSMs' own tokenizers, checked against `tokenizer` when given.
         strategy: how the SSMs speculate (see `specboost.decoder.strategies`): "pool" (every SSM
-            drafts `shape`, trees merged) or "learned" (the learned scheduler picks a beam per SSM
-            and step; needs a predictor, from `predictor=` or the pool).
-        predictor, cost_model: the learned scheduler's match-length predictor and hardware cost
-            model (default: the pool's; a missing cost model is measured on the spot).
+            drafts `shape`, trees merged), "learned" (the learned scheduler picks a beam per SSM
+            and step; needs a predictor, from `predictor=` or the pool), "majority" (only the
+            weighted-majority chain of `shape`'s length is verified), "pruned" (the merged tree
+            cut to a node budget by SSM weight) or "sequoia" (one SSM fills a DP-optimal tree;
+            needs an acceptance vector, from `strategy_options` or the pool).
+        predictor, cost_model: the learned scheduler's match-length predictor and the hardware
+            cost model of "learned" and "sequoia" (default: the pool's; "learned" measures a
+            missing cost model on the spot).
         force_profile: use the pool's hardware profile even if measured on other hardware.
+        length_controller: "minions", "bass" or a `LengthController`: adapts the chain length of
+            "pool", "majority" and "pruned" at every step (ALGORITHMS.md section 7).
+        strategy_options: `StrategyOptions`, the less common settings (pruning budget, Sequoia
+            tree size and acceptance vector, majority weight update).
     """
 
     def __init__(
@@ -79,8 +91,16 @@ class SpeculativeDecoder:
         predictor: MatchLengthPredictor | None = None,
         cost_model: CostModel | None = None,
         force_profile: bool = False,
+        length_controller: LengthController | str | None = None,
+        strategy_options: StrategyOptions | None = None,
     ) -> None:
         check_causal_lm(llm, "LLM")
+        strategy_args = strategy != "pool" or length_controller is not None or strategy_options is not None
+        if speculator is not None and strategy_args:
+            raise ValueError(
+                "speculator= replaces the built-in strategies: drop strategy=, length_controller= and "
+                "strategy_options=, or drop speculator="
+            )
         pool = ssms if isinstance(ssms, SSMPool) else None
         if pool is not None:  # its tokenizer is every SSM's
             ssm_tokenizers = ssm_tokenizers or [pool.tokenizer] * len(pool)
@@ -97,8 +117,16 @@ class SpeculativeDecoder:
         self.llm = llm.eval()
         self.ssms = [ssm.eval() for ssm in ssms]
         self.tokenizer = tokenizer
+        inputs = StrategyInputs(
+            shape,
+            predictor,
+            cost_model,
+            force_profile,
+            length_controller,
+            strategy_options or StrategyOptions(),
+        )
         self.speculator: Speculator = speculator or make_speculator(
-            strategy, self.llm, self.ssms, pool, StrategyInputs(shape, predictor, cost_model, force_profile)
+            strategy, self.llm, self.ssms, pool, inputs
         )
         self.verifier: Verifier = StairsVerifier() if verification == "stairs" else TreeVerifier(rule)
         self.max_positions = context_length(llm)
@@ -167,21 +195,28 @@ class SpeculativeDecoder:
         stop_strings: str | list[str] | None = None,
         generation_config: GenerationConfig | None = None,
         seed: int | None = None,
-    ) -> SpeculativeOutput:
+    ) -> SpeculativeOutput | BatchedOutput:
         """Generate like `llm.generate`. Unset options come from `generation_config`, then from the
-        LLM's own generation_config. `seed` makes sampling reproducible."""
-        sampling, budget, eos_ids, stops = self._settings(
-            generation_config,
-            dict(
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_token_id=eos_token_id,
-                stop_strings=stop_strings,
-            ),
+        LLM's own generation_config. `seed` makes sampling reproducible. A batch (`input_ids`
+        [B, L], B > 1, left-padded `attention_mask`) decodes every row at once and returns a
+        `BatchedOutput` (`decoder/batched.py`, ALGORITHMS.md section 11)."""
+        options = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            stop_strings=stop_strings,
         )
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            from specboost.decoder.batched import BatchedDecoder  # it imports this module
+
+            batched = BatchedDecoder(self)
+            return batched.generate(
+                input_ids, attention_mask, generation_config=generation_config, seed=seed, **options
+            )
+        sampling, budget, eos_ids, stops = self._settings(generation_config, options)
         self.verifier.check(
             self.speculator.tree_kind(sampling.do_sample), sampling.do_sample, self.speculator.num_ssms
         )

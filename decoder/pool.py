@@ -6,7 +6,8 @@
 
 An exported pool folder holds `specboost_pool.json` (the manifest: the LLM the pool was trained
 for, the SSM subfolders, their voting weights) and one `save_pretrained` folder per SSM, each with
-the LLM's tokenizer.
+the LLM's tokenizer; optionally the learned scheduler's predictor, the hardware profile and the
+SSMs' Sequoia acceptance vectors, which the manifest names.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specboost.decoder.validation import model_name, output_vocab_size
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.sequoia_acceptance import AcceptanceVector, load_acceptance_file
 
 MANIFEST_FILE = "specboost_pool.json"
 FORMAT_VERSION = 1  # bump when the manifest changes incompatibly
@@ -84,10 +86,16 @@ class SSMPool:
     weights: list[float]  # initial voting weights, one per SSM (ALGORITHMS.md section 6)
     predictor: MatchLengthPredictor | None = None  # the learned scheduler's (ALGORITHMS.md section 5)
     folder: Path | None = None
+    acceptance: list[AcceptanceVector] | None = None  # per SSM, for Sequoia trees (ALGORITHMS.md 8)
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(self.models):
             raise ValueError(f"{len(self.weights)} weights for {len(self.models)} SSMs: give one per SSM")
+        if self.acceptance is not None and len(self.acceptance) != len(self.models):
+            raise ValueError(
+                f"{len(self.acceptance)} acceptance vectors for {len(self.models)} SSMs: measure one per "
+                "SSM (`make sequoia-acceptance`) and export again"
+            )
 
     def __len__(self) -> int:
         return len(self.models)
@@ -122,7 +130,10 @@ class SSMPool:
         predictor = None
         if manifest.get("predictor"):
             predictor = MatchLengthPredictor.from_pretrained(folder / manifest["predictor"]["path"])
-        return cls(models, tokenizer, manifest, weights, predictor, folder)
+        acceptance = None
+        if manifest.get("sequoia_acceptance"):
+            acceptance = load_acceptance_file(folder / manifest["sequoia_acceptance"]["path"])
+        return cls(models, tokenizer, manifest, weights, predictor, folder, acceptance)
 
     def cost_model(
         self, device: torch.device | str, dtype: torch.dtype, force: bool = False

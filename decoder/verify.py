@@ -40,6 +40,7 @@ DEFAULT_SAMPLING_RULE: dict[DraftKind, Rule] = {
     DraftKind.BEAM: Rule.TARGET,
     DraftKind.TOP_K: Rule.TARGET,
     DraftKind.GREEDY: Rule.TARGET,
+    DraftKind.SELECTED: Rule.TARGET,  # which drafts were kept depends on other SSMs' drafts, not on q
 }
 
 

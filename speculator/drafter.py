@@ -150,14 +150,14 @@ class SSMDrafter:
                 wanted = shape_children[shape_node]
                 if not wanted:
                     continue
-                tokens, q = self._children(node_logits, len(wanted), probs, generator)
+                tokens, q = self.sample_children(node_logits, len(wanted), probs, generator)
                 for shape_child, token in zip(wanted, tokens, strict=False):
                     next_frontier.append((shape_child, tree.add_child(node, token, self.index, q)))
             frontier = next_frontier
         return tree
 
     @staticmethod
-    def _children(
+    def sample_children(
         logits: torch.Tensor, k: int, probs: LogitsToProbs, generator: torch.Generator | None
     ) -> tuple[list[int], torch.Tensor | None]:
         if not probs.config.do_sample:

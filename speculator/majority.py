@@ -6,7 +6,7 @@ weight of a node is the sum of w_i over the SSMs whose sequence passes through i
 - `MajoritySpeculator` ("majority"): from the root, step to the heaviest child until a leaf;
   that path is one SSM's chain (the voted SSM's) and the only thing the LLM verifies, so a step
   costs the LLM no more than single-SSM speculation.
-- `PrunedPoolSpeculator` ("pruned_pool"): the merged tree of any draft shape cut to a node
+- `PrunedPoolSpeculator` ("pruned"): the merged tree of any draft shape cut to a node
   budget, keeping the heaviest nodes.
 
 After every `update_every` verification steps, the acceptance rate ACR_i = accepted / proposed of
@@ -262,10 +262,12 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
     the verified trees.
 
     Pruning looks at which SSMs agree, so a pool's pruned sampled chains are no longer children
-    sampled independently from their q: multi-step speculative sampling is not lossless on them
-    and `tree_kind` refuses that combination. Beam and topology trees are verified by target
-    sampling (or, for one SSM, by sampling without replacement: with one SSM every weight is
-    equal and pruning keeps a breadth-first prefix, i.e. each node's first-drawn children).
+    sampled independently from their q: multi-step speculative sampling is not lossless on them,
+    and `tree_kind` says SELECTED, whose only sampling rule is target sampling (lossless on any
+    tree fixed before the LLM's draws, ALGORITHMS.md section 2). Beam and topology trees are
+    verified by target sampling too (or, for one SSM, by sampling without replacement: with one
+    SSM every weight is equal and pruning keeps a breadth-first prefix, i.e. each node's
+    first-drawn children), and one SSM's pruned chain is a prefix of its sampled chain (MSS).
     """
 
     def __init__(
@@ -284,16 +286,12 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
 
     def tree_kind(self, do_sample: bool) -> DraftKind:
         kind = super().tree_kind(do_sample)
-        if kind is DraftKind.SAMPLED and self.num_ssms > 1:
-            raise ValueError(
-                "pruning a pool's sampled chains by weight makes multi-step speculative sampling "
-                "lossy; draft BeamShape or TopologyShape (verified by target sampling), or use "
-                "MajoritySpeculator"
-            )
-        return kind
+        return DraftKind.SELECTED if kind is DraftKind.SAMPLED and self.num_ssms > 1 else kind
 
     def propose(self, request: DraftRequest) -> TokenTree:
-        return prune_by_weight(super().propose(request), self.weights, self.budget)
+        tree = prune_by_weight(super().propose(request), self.weights, self.budget)
+        tree.kind = self.tree_kind(request.probs.config.do_sample)
+        return tree
 
     def observe(self, feedback: StepFeedback) -> None:
         super().observe(feedback)
@@ -301,7 +299,7 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
         self.voting.record(count_per_ssm(tree, range(1, len(tree))), count_per_ssm(tree, feedback.accepted))
 
     def report(self) -> dict:
-        return {**super().report(), "strategy": "pruned_pool", "budget": self.budget}
+        return {**super().report(), "strategy": "pruned", "budget": self.budget}
 
 
 # Plot -------------------------------------------------------------------------------------------------

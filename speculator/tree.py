@@ -23,6 +23,7 @@ class DraftKind(str, Enum):
     TOP_K = "top_k"  # fixed topology filled with top-k children
     SAMPLED = "sampled"  # children drawn i.i.d. (with replacement) from the recorded q
     SAMPLED_WITHOUT_REPLACEMENT = "sampled_without_replacement"  # one q per node, drawn w/o replacement
+    SELECTED = "selected"  # nodes kept by looking at several SSMs' drafts: greedy/target only
 
 
 @dataclass

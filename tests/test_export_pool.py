@@ -13,10 +13,11 @@ import torch
 from conftest import tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specboost.decoder import SpeculativeDecoder, SSMPool
+from specboost.decoder import SpeculativeDecoder, SSMPool, StrategyOptions
 from specboost.decoder import pool as pool_module
 from specboost.decoder.pool import MANIFEST_FILE, tokenizer_vocab_hash
 from specboost.decoder.tiny_models import build_tiny_models, build_tokenizer
+from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
 from specboost.training import export
 
 ROUNDS = [
@@ -122,6 +123,30 @@ def test_predictor_and_hardware_profile_are_carried(tmp_path: Path, tiny: tuple[
     assert manifest["hardware_profile"] == {"path": "hardware_profile.json"}
     assert (tmp_path / "out" / "predictor" / "weights.safetensors").is_file()
     assert read(tmp_path / "out" / "hardware_profile.json") == {"verify_ms": [1.0]}
+
+
+def test_sequoia_acceptance_is_carried_and_decodes(
+    tmp_path: Path, tiny: tuple[Path, list[Path]], exported: tuple[Path, Path]
+) -> None:
+    """`make sequoia-acceptance` writes BOOST/sequoia_acceptance.json; the export ships it, the
+    manifest names it, `SSMPool` loads it and strategy="sequoia" decodes with it."""
+    boost = make_boost(tmp_path, tiny)
+    vectors = [AcceptanceVector((0.5, 0.2), "greedy", 10), AcceptanceVector((0.7, 0.1), "greedy", 10)]
+    save_acceptance_file(vectors, boost / ACCEPTANCE_FILE, samples=2)
+    manifest = export.export_pool(boost, tmp_path / "out")
+    assert manifest["sequoia_acceptance"] == {"path": ACCEPTANCE_FILE}
+    pool = SSMPool.from_pretrained(tmp_path / "out")
+    assert pool.acceptance == vectors
+    llm = AutoModelForCausalLM.from_pretrained(tiny[0]).eval()
+    options = StrategyOptions(nodes=6)
+    decoder = SpeculativeDecoder(llm, ssms=pool, strategy="sequoia", strategy_options=options)
+    ids = torch.randint(4, 260, (1, 8))
+    result = decoder.generate(ids, max_new_tokens=16)
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    assert torch.equal(result.sequences, expected)
+    assert result.stats.strategy["ssm"] == 1  # the vector that promises more
+    assert read(exported[1] / MANIFEST_FILE)["sequoia_acceptance"] is None
+    assert SSMPool.from_pretrained(exported[1]).acceptance is None
 
 
 def test_failure_mid_export_leaves_no_partial_folder(

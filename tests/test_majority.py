@@ -21,7 +21,7 @@ from test_greedy_equivalence import (
 )
 from test_sampling_lossless import VOCAB, check_decoder, spread
 
-from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, TopologyShape
+from specboost.decoder import BeamShape, ChainShape, Rule, SpeculativeDecoder, TopologyShape
 from specboost.speculator.length_control import make_length_controller
 from specboost.speculator.majority import (
     MajorityConfig,
@@ -228,7 +228,7 @@ def test_pruned_pool_weights_find_the_right_ssm() -> None:
     assert out.stats.match_lengths[:3] == [2, 4, 4]
     history = out.stats.strategy["weights"]
     assert history[:3] == [[1.0, 1.0], [0.8, 1.25], [0.8, 1.25**2]]
-    assert out.stats.strategy["strategy"] == "pruned_pool" and out.stats.strategy["budget"] == 4
+    assert out.stats.strategy["strategy"] == "pruned" and out.stats.strategy["budget"] == 4
 
 
 # Greedy: identical to llm.generate -------------------------------------------------------------------------
@@ -286,10 +286,43 @@ def test_tree_kinds_under_sampling() -> None:
     assert MajoritySpeculator(ssms).tree_kind(True) is DraftKind.GREEDY
     assert PrunedPoolSpeculator(ssms, BeamShape(2, 2)).tree_kind(True) is DraftKind.BEAM
     assert PrunedPoolSpeculator(ssms[:1], ChainShape(3)).tree_kind(True) is DraftKind.SAMPLED
-    with pytest.raises(ValueError, match="multi-step speculative sampling"):
-        PrunedPoolSpeculator(ssms, ChainShape(3)).tree_kind(True)
+    assert PrunedPoolSpeculator(ssms, ChainShape(3)).tree_kind(True) is DraftKind.SELECTED
+    assert PrunedPoolSpeculator(ssms, ChainShape(3)).tree_kind(False) is DraftKind.GREEDY
     with pytest.raises(ValueError, match="budget must be >= 1"):
         PrunedPoolSpeculator(ssms, budget=0)
+
+
+@pytest.mark.parametrize("rule", ["mss", "without_replacement"])
+def test_selected_trees_refuse_rules_that_need_q(rule: str) -> None:
+    """A pool's pruned sampled chains are SELECTED: the default rule is target sampling, and the
+    rules that trust the recorded q are refused before anything is drafted."""
+    llm, ssms = llm_for("llama", 0), [noisy_ssm("llama", 0, s, i) for i, s in enumerate((0.1, 0.3))]
+    verifier = SpeculativeDecoder(llm, ssms, speculator=PrunedPoolSpeculator(ssms, ChainShape(3))).verifier
+    verifier.check(DraftKind.SELECTED, True, 2)
+    assert verifier.active_rule is Rule.TARGET
+    verifier.check(DraftKind.SELECTED, False, 2)
+    assert verifier.active_rule is Rule.GREEDY
+    dec = SpeculativeDecoder(llm, ssms, speculator=PrunedPoolSpeculator(ssms, ChainShape(3)), rule=rule)
+    with pytest.raises(ValueError, match=rf"rule='{rule}' is only lossless on trees drafted as .*'selected'"):
+        dec.generate(prompt_ids(0, 3), max_new_tokens=4, do_sample=True)
+
+
+class AlwaysSelected(PrunedPoolSpeculator):
+    """A pruned pool that calls its trees SELECTED also under greedy decoding."""
+
+    def tree_kind(self, do_sample: bool) -> DraftKind:
+        return DraftKind.SELECTED
+
+
+def test_selected_trees_greedy_identical_to_generate() -> None:
+    for llm_seed, prompt_seed, length, max_new in CASES[:2]:
+        ssms = [noisy_ssm("llama", llm_seed, 0.1, 0), noisy_ssm("llama", llm_seed, 0.3, 1)]
+        dec = SpeculativeDecoder(llm_for("llama", llm_seed), ssms, speculator=AlwaysSelected(ssms, budget=5))
+        ids = prompt_ids(prompt_seed, length)
+        out = dec.generate(ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == reference("llama", llm_seed, ids, max_new).tolist()
+        assert dec.verifier.active_rule is Rule.GREEDY and out.stats.accepted_tokens > 0
+        check_stats(out, length, 2)
 
 
 def test_majority_sampling_is_lossless() -> None:
@@ -301,6 +334,17 @@ def test_majority_sampling_is_lossless() -> None:
     dec = SpeculativeDecoder(llm, ssms, speculator=speculator)
     check_decoder(dec, 3, seed0=70_000, min_accepted=0.15, temperature=0.8, top_k=5)
     assert len(set(speculator.weights)) > 1  # the vote was weighted, not a plain count
+
+
+def test_pruned_pool_of_sampled_chains_is_lossless() -> None:
+    """Two SSMs draft sampled chains of 3, cut to the 3 heaviest nodes (SELECTED trees), verified
+    by target sampling; T=0.9, top_p=0.95. Weights update every step and carry over."""
+    llm = spread(tiny_llama(layers=2, seed=1, vocab=VOCAB))
+    ssms = [spread(tiny_llama(layers=1, seed=s, vocab=VOCAB)) for s in (2, 3)]
+    speculator = PrunedPoolSpeculator(ssms, ChainShape(3), budget=3, config=MajorityConfig(update_every=1))
+    dec = SpeculativeDecoder(llm, ssms, speculator=speculator)
+    check_decoder(dec, 3, seed0=80_000, min_accepted=0.15, temperature=0.9, top_p=0.95)
+    assert dec.verifier.active_rule is Rule.TARGET
 
 
 # Plot -------------------------------------------------------------------------------------------------------

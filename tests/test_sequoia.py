@@ -22,16 +22,17 @@ from test_sampling_lossless import check_decoder, models  # noqa: F401  (models:
 from specboost.decoder import Rule, SpeculativeDecoder
 from specboost.decoder.tiny_models import build_tiny_models
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
-from specboost.speculator.sequoia import SequoiaSpeculator, main
-from specboost.speculator.sequoia_acceptance import (
-    AcceptanceVector,
+from specboost.speculator.sequoia import SequoiaSpeculator
+from specboost.speculator.sequoia_acceptance import AcceptanceVector, load_acceptance_file
+from specboost.speculator.sequoia_dp import chains_shape, expected_tokens, optimal_tree, shape_depth, solve
+from specboost.speculator.sequoia_hardware import choose_tree_size, relative_costs
+from specboost.speculator.shapes import TopologyShape
+from specboost.training.sequoia_acceptance import (
     estimate_acceptance,
     greedy_counts,
     without_replacement_counts,
 )
-from specboost.speculator.sequoia_dp import chains_shape, expected_tokens, optimal_tree, shape_depth, solve
-from specboost.speculator.sequoia_hardware import choose_tree_size, relative_costs
-from specboost.speculator.shapes import TopologyShape
+from specboost.training.sequoia_trees import main
 
 MAX_BRUTE_NODES = 8
 
@@ -222,8 +223,11 @@ def test_acceptance_vector_json_round_trip(tmp_path: Path) -> None:
     vector = AcceptanceVector((0.8, 0.4, 0.1), "without_replacement", 123, temperature=0.7, top_p=0.9)
     vector.save(tmp_path / "a.json")
     assert AcceptanceVector.load(tmp_path / "a.json") == vector
-    (tmp_path / "cli.json").write_text(json.dumps({"acceptance": vector.to_dict(), "table": []}))
-    assert AcceptanceVector.load(tmp_path / "cli.json") == vector
+    (tmp_path / "old.json").write_text(json.dumps({"acceptance": [vector.to_dict()]}))
+    with pytest.raises(ValueError, match="format_version"):
+        load_acceptance_file(tmp_path / "old.json")
+    with pytest.raises(ValueError, match="load_acceptance_file"):
+        AcceptanceVector.load(tmp_path / "old.json")
     assert vector.sampling == SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9)
     with pytest.raises(ValueError, match="rule"):
         AcceptanceVector((0.5,), "mss", 1)
@@ -312,7 +316,9 @@ def test_sampling_without_replacement_is_lossless(models) -> None:  # noqa: F811
 
 
 # Command line -------------------------------------------------------------------------------------------
-def test_cli_writes_table_and_acceptance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_writes_tables_and_the_pool_acceptance_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     llm_dir, ssm_dirs = build_tiny_models(tmp_path / "models")
     distilled = tmp_path / "distilled"
     distilled.mkdir()
@@ -322,16 +328,21 @@ def test_cli_writes_table_and_acceptance(tmp_path: Path, capsys: pytest.CaptureF
     ]
     pq.write_table(pa.Table.from_pylist(rows), distilled / "data.parquet")
     (tmp_path / "record.json").write_text(json.dumps({"held_out_ids": [0, 2]}))
-    out = tmp_path / "sequoia.json"
-    argv = ["--llm", str(llm_dir), "--ssm", str(ssm_dirs[0]), "--distilled", str(distilled)]
+    out = tmp_path / "sequoia_acceptance.json"
+    argv = ["--llm", str(llm_dir), "--ssm", *map(str, ssm_dirs), "--distilled", str(distilled)]
     argv += ["--held-out-from", str(tmp_path / "record.json"), "--max-nodes", "8", "--width", "3"]
     assert main([*argv, "--chains", "2", "--decode", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "sequoia" in printed and "2 chains" in printed and "measured" in printed
     result = json.loads(out.read_text())
-    assert result["samples"] == 2 and result["acceptance"]["num_positions"] == 2 * 10
-    assert [row["nodes"] for row in result["table"]] == [2, 4, 8]
-    acceptance = AcceptanceVector.load(out)
-    for row in result["table"]:
-        assert row["sequoia"] == pytest.approx(solve(acceptance.marginal, row["nodes"]).value(row["nodes"]))
-        assert row["sequoia"] >= max(row["chains"].values()) - 1e-12  # a chain is one of the trees
+    assert result["samples"] == 2 and result["ssms"] == [str(d) for d in ssm_dirs]
+    vectors = load_acceptance_file(out)
+    assert len(vectors) == len(result["tables"]) == len(ssm_dirs) == 2
+    assert all(v.num_positions == 2 * 10 and v.rule == "greedy" for v in vectors)
+    for acceptance, table in zip(vectors, result["tables"], strict=True):
+        assert [row["nodes"] for row in table] == [2, 4, 8]
+        for row in table:
+            assert row["sequoia"] == pytest.approx(
+                solve(acceptance.marginal, row["nodes"]).value(row["nodes"])
+            )
+            assert row["sequoia"] >= max(row["chains"].values()) - 1e-12  # a chain is one of the trees

@@ -146,10 +146,16 @@ def test_prompt_longer_than_the_context() -> None:
         decoder.generate(torch.randint(0, VOCAB, (1, 400)), max_new_tokens=2)
 
 
-def test_batch_larger_than_one_is_not_implemented() -> None:
+def test_batch_larger_than_one_decodes_every_row() -> None:
+    """A batch runs ragged batched decoding (tests/test_batched.py); what it cannot do it refuses."""
     decoder = SpeculativeDecoder(llm(), [ssm()])
-    with pytest.raises(NotImplementedError, match=r"batch size 2\) is not implemented"):
-        decoder.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=4)
+    out = decoder.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=4)
+    assert out.sequences.shape == (2, 7) and out.finish_reasons == ["length", "length"]
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\]"):
+        decoder.generate(torch.zeros(0, 3, dtype=torch.long), max_new_tokens=4)
+    stairs = SpeculativeDecoder(llm(), [ssm()], verification="stairs")
+    with pytest.raises(ValueError, match="verification='stairs' is for one sequence"):
+        stairs.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=4)
 
 
 def test_input_ids_of_the_wrong_rank() -> None:

@@ -10,7 +10,8 @@ folders with the LLM's tokenizer) and `boost_record.json`. OUT gets:
   model, the training data, the boost round and the measured held-out acceptance;
 - `specboost_pool.json`: the manifest `SSMPool.from_pretrained` reads (the LLM the pool was
   trained for with its vocabulary size and tokenizer vocab hash, the SSMs, initial voting
-  weights, and the predictor / hardware profile when BOOST holds them);
+  weights, and the predictor / hardware profile / Sequoia acceptance vectors when BOOST holds
+  them);
 - `README.md`: the pool's card.
 
 OUT is written next to itself under a temporary name and renamed into place, so it exists only
@@ -39,13 +40,16 @@ from specboost.decoder.pool import FORMAT_VERSION, MANIFEST_FILE, tokenizer_voca
 from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.model_info import output_vocab_size
 from specboost.speculator.predictor import PREDICTOR_DIR
+from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
 
 RECORD_FILE = "boost_record.json"
 README_FILE = "README.md"
-# Optional scheduler files copied into the export when BOOST holds them (first name found wins).
+# Optional strategy files copied into the export when BOOST holds them (first name found wins);
+# the manifest names each under its key ({"path": name}, or None).
 OPTIONAL_ENTRIES = {
     "predictor": (PREDICTOR_DIR,),
     "hardware_profile": (PROFILE_FILE,),
+    "sequoia_acceptance": (ACCEPTANCE_FILE,),
 }
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -238,10 +242,7 @@ def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str |
         "marking": record.get("marking"),
         "ssms": ssms,
         "weights": [1.0 / len(ssms)] * len(ssms),  # equal until the pool votes (ALGORITHMS.md 6)
-        "predictor": None if extras["predictor"] is None else {"path": extras["predictor"]},
-        "hardware_profile": None
-        if extras["hardware_profile"] is None
-        else {"path": extras["hardware_profile"]},
+        **{key: None if name is None else {"path": name} for key, name in extras.items()},
         "seed": record.get("seed"),
         "versions": {
             "boost": record.get("versions"),
@@ -251,7 +252,7 @@ def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str |
 
 
 def copy_optional(boost: Path, tmp: Path) -> dict[str, str | None]:
-    """Copy the predictor / hardware profile when BOOST holds them; their names, else None."""
+    """Copy the optional entries BOOST holds; their names, else None."""
     found: dict[str, str | None] = {}
     for key, names in OPTIONAL_ENTRIES.items():
         name = next((n for n in names if (boost / n).exists()), None)

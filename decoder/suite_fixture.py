@@ -1,0 +1,229 @@
+"""The benchmark suite's fixture: a reference LLM and everything the methods need, built once.
+
+    python -m specboost.decoder.suite_fixture --fixture tiny [--dry-run]
+
+Steps, in order (the same commands as the Makefile's training targets):
+reference LLM (`make reference-llm`, into ARTIFACTS/reference-llm/<preset>, shared with it) ->
+distillation data on the pool's prompt set -> boosted pool -> distillation data on a second
+prompt set -> predictor labels -> predictor -> hardware profile (`specboost profile`) -> Sequoia
+acceptance vectors (on the boost run's held-out samples) -> export. Everything but the reference
+LLM goes into the cache folder ARTIFACTS/bench-fixture/<fixture>.
+
+A step that finishes writes `done/<step>.json` (atomically) with its command and duration; a
+later build skips a step whose marker holds the same command and whose output exists, so a
+cached build costs nothing. Once a step runs, every later step runs too (they may depend on it),
+each resuming through its own logic (every training step resumes after a kill and is a no-op
+when its output is complete). To rebuild a step from scratch, delete its output and its marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
+from specboost.training.run_files import write_json_atomic
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    """What a fixture is built from; the settings mirror `make demo` / `make predictor`."""
+
+    preset: str  # reference LLM preset (training/reference_llm.py PRESETS)
+    pool_prompts: str = "tinystories_openings"  # distilled for boost-tuning (train split)
+    predictor_prompts: str = "gutenberg_openings"  # distilled for predictor labels: never boosted on
+    distill_flags: tuple[str, ...] = ("--max-new-tokens", "64", "--batch-size", "16")
+    num_ssms: int = 3
+    boost_flags: tuple[str, ...] = ("--max-steps", "400")
+
+
+FIXTURES: dict[str, FixtureSpec] = {
+    "small": FixtureSpec(preset="small"),  # the benchmark target (~1 h of training on 2 cores)
+    "tiny": FixtureSpec(preset="tiny"),  # minutes: for development and quick runs
+}
+
+
+@dataclass(frozen=True)
+class FixturePaths:
+    llm: Path  # the reference LLM's model folder
+    cache: Path  # ARTIFACTS/bench-fixture/<fixture>
+    pool: Path  # the boost run (SSMs, predictor, hardware profile)
+    export: Path  # the exported pool (SSMPool.from_pretrained)
+
+    @classmethod
+    def of(cls, name: str, artifacts: Path) -> FixturePaths:
+        cache = artifacts / "bench-fixture" / name
+        llm = artifacts / "reference-llm" / fixture_spec(name).preset / "model"
+        return cls(llm=llm, cache=cache, pool=cache / "pool", export=cache / "pool-export")
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: tuple[str, ...]  # arguments of `python` (the running interpreter)
+    output: Path  # exists once the step is complete
+
+
+@dataclass
+class StepOutcome:
+    name: str
+    cached: bool
+    seconds: float  # this build's time for the step (the original build time when cached)
+    finished: str  # when the step's output was built (ISO time)
+
+
+@dataclass
+class FixtureBuild:
+    name: str
+    paths: FixturePaths
+    steps: list[StepOutcome] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of this build
+
+
+def fixture_spec(name: str) -> FixtureSpec:
+    if name not in FIXTURES:
+        raise ValueError(f"unknown fixture {name!r}; choose one of {sorted(FIXTURES)}")
+    return FIXTURES[name]
+
+
+def fixture_steps(name: str, artifacts: Path, threads: int) -> list[Step]:
+    """The build steps of fixture `name`; `threads` is also the suite's, so that the hardware
+    profile is measured under the thread count the benchmark runs with."""
+    spec, paths = fixture_spec(name), FixturePaths.of(name, artifacts)
+    llm, pool, t = str(paths.llm), paths.pool, str(threads)
+    ssms = [str(pool / f"ssm-{i}") for i in range(spec.num_ssms)]
+    distilled = {p: paths.cache / "distill" / p for p in (spec.pool_prompts, spec.predictor_prompts)}
+    labels = paths.cache / "predictor-data"
+
+    def distill(prompts: str) -> Step:
+        out = distilled[prompts]
+        argv = _module("training.distill", "--llm", llm, "--prompts", prompts, "--out", str(out))
+        return Step(f"distill-{prompts}", (*argv, *spec.distill_flags), out / "data.parquet")
+
+    reference_llm = _module(
+        "training.reference_llm", "--preset", spec.preset, "--out", str(paths.llm.parent), "--threads", t
+    )
+    boost = _module(
+        "training.boost",
+        *("--distilled", str(distilled[spec.pool_prompts]), "--llm", llm, "--out", str(pool)),
+        *("--num-ssms", str(spec.num_ssms), "--threads", t, *spec.boost_flags),
+    )
+    predictor_data = _module(
+        "training.predictor_data",
+        *("--llm", llm, "--ssm", *ssms, "--distilled", str(distilled[spec.predictor_prompts])),
+        *("--out", str(labels), "--threads", t),
+    )
+    predictor = _module("training.train_predictor", "--labels", str(labels), "--out", str(pool / "predictor"))
+    profile = _module(
+        "decoder.cli", "profile", "--llm", llm, "--ssm", *ssms, "--out", str(pool / "hardware_profile.json")
+    )
+    sequoia = _module(
+        "training.sequoia_trees",
+        *("--llm", llm, "--ssm", *ssms, "--distilled", str(distilled[spec.pool_prompts])),
+        *("--held-out-from", str(pool / "boost_record.json"), "--out", str(pool / ACCEPTANCE_FILE)),
+    )
+    export = _module("training.export", "--boost", str(pool), "--out", str(paths.export))
+    return [
+        Step("reference-llm", reference_llm, paths.llm / "config.json"),
+        distill(spec.pool_prompts),
+        Step("boost", boost, pool / "boost_record.json"),
+        distill(spec.predictor_prompts),
+        Step("predictor-data", predictor_data, labels / "metadata.json"),
+        Step("predictor", predictor, pool / "predictor" / "predictor_record.json"),
+        Step("profile", (*profile, "--threads", t), pool / "hardware_profile.json"),
+        Step("sequoia-acceptance", (*sequoia, "--threads", t), pool / ACCEPTANCE_FILE),
+        Step("export", export, paths.export / "specboost_pool.json"),
+    ]
+
+
+def _module(name: str, *args: str) -> tuple[str, ...]:
+    """`python` arguments that run specboost's module `name` (e.g. "training.boost")."""
+    return ("-m", f"specboost.{name}", *args)
+
+
+def _marker(cache: Path, step: Step) -> Path:
+    return cache / "done" / f"{step.name}.json"
+
+
+def cached_outcome(cache: Path, step: Step) -> StepOutcome | None:
+    """The outcome recorded by an earlier build of this very step, if its output still exists."""
+    marker = _marker(cache, step)
+    if not marker.is_file() or not step.output.exists():
+        return None
+    record = json.loads(marker.read_text())
+    if record.get("argv") != list(step.argv):
+        return None
+    return StepOutcome(step.name, True, record["seconds"], record["finished"])
+
+
+def build_fixture(
+    name: str,
+    artifacts: Path = Path("artifacts"),
+    threads: int = 1,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> FixtureBuild:
+    """Run the steps of fixture `name` that are not cached, and every step after one that runs
+    (none with `dry_run`: only report)."""
+    start = time.perf_counter()
+    paths = FixturePaths.of(name, artifacts)
+    build = FixtureBuild(name, paths)
+    upstream_ran = False
+    for step in fixture_steps(name, artifacts, threads):
+        outcome = None if upstream_ran else cached_outcome(paths.cache, step)
+        if outcome is not None:
+            log(f"[fixture {name}] {step.name}: cached (built in {outcome.seconds:.0f} s)")
+        else:
+            upstream_ran = True
+            log(
+                f"[fixture {name}] {step.name}: {'to build: ' if dry_run else ''}python {' '.join(step.argv)}"
+            )
+            if dry_run:
+                continue
+            outcome = _run_step(paths.cache, step)
+            log(f"[fixture {name}] {step.name}: done in {outcome.seconds:.0f} s")
+        build.steps.append(outcome)
+    build.seconds = time.perf_counter() - start
+    return build
+
+
+def _run_step(cache: Path, step: Step) -> StepOutcome:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, *step.argv], check=True)
+    if not step.output.exists():
+        raise RuntimeError(f"fixture step {step.name} finished but {step.output} is missing")
+    outcome = StepOutcome(
+        step.name,
+        False,
+        time.perf_counter() - started,
+        datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    marker = _marker(cache, step)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        marker, {"argv": list(step.argv), "seconds": outcome.seconds, "finished": outcome.finished}
+    )
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Build (or check) the benchmark suite's fixture.")
+    p.add_argument("--fixture", choices=sorted(FIXTURES), default="small")
+    p.add_argument("--artifacts", type=Path, default=Path("artifacts"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the steps and the profile")
+    p.add_argument("--dry-run", action="store_true", help="list the steps that would run; run none")
+    args = p.parse_args(argv)
+    build = build_fixture(args.fixture, args.artifacts, args.threads, args.dry_run)
+    print(f"[fixture {args.fixture}] {build.seconds:.0f} s; pool at {build.paths.export}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The benchmark suite's methods, built on the fixture's LLM and exported pool.
+
+Batch size 1: plain `llm.generate`; Hugging Face assisted generation with each single SSM; our
+chain with each single SSM; Stairs validation (greedy only); the pool's merged trees (SpecInfer:
+every SSM drafts a chain, or a beam); every further strategy of `SpeculativeDecoder` that this
+version has (`strategies.STRATEGIES`: weighted majority, with and without an adaptive length,
+the weight-pruned pool tree, Sequoia); the learned scheduler.
+Batch size > 1: plain batched `llm.generate` against the pool's chains decoded as one ragged batch
+(BASS) and served by the pipelined engine (Minions; two groups of half the batch).
+
+A method that cannot run here (a strategy missing its inputs, sampling where it is greedy only,
+batched decoding not implemented) is skipped with the reason: `MethodSet.skipped`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BatchEncoding,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from specboost.decoder.batched import BatchConfig, pad_token_id
+from specboost.decoder.bench import (
+    DTYPES,
+    Decoding,
+    ForwardCounter,
+    Method,
+    MethodResult,
+    _hf_method,
+    _new_tokens,
+    _our_method,
+)
+from specboost.decoder.decoder import SpeculativeDecoder
+from specboost.decoder.engine import Engine, EngineConfig
+from specboost.decoder.pool import SSMPool
+from specboost.decoder.stats import DecodeStats
+from specboost.decoder.strategies import STRATEGIES
+from specboost.decoder.suite_report import HF_ASSISTED, PLAIN
+from specboost.speculator.shapes import BeamShape, ChainShape
+
+# Strategies with their own rows below; every other name in STRATEGIES gets a row of its own.
+_BUILT_IN = ("pool", "learned")
+# Strategies that also get a "+adaptive" row (length_controller=ADAPTIVE_LENGTH; ALGORITHMS.md 7).
+ADAPTIVE_STRATEGIES = ("majority",)
+ADAPTIVE_LENGTH = "minions"
+BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one length per step
+
+
+@dataclass
+class FixtureModels:
+    llm: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    pool: SSMPool
+    counter: ForwardCounter  # the LLM's forward passes, for plain and HF assisted generation
+
+    @classmethod
+    def load(cls, llm_path: Path, pool_path: Path, dtype: str, device: str) -> FixtureModels:
+        llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=DTYPES[dtype]).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(llm_path)
+        pool = SSMPool.from_pretrained(pool_path, device=device, dtype=DTYPES[dtype])
+        pool.check_llm(llm, tokenizer)
+        return cls(llm, tokenizer, pool, ForwardCounter(llm))
+
+    def parameters(self) -> dict[str, int | list[int]]:
+        def count(model: PreTrainedModel) -> int:
+            return sum(p.numel() for p in model.parameters())
+
+        return {"llm": count(self.llm), "ssms": [count(m) for m in self.pool.models]}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    chain_length: int = 4  # ChainShape for chain[i], stairs, pool_chain, majority, batched
+    beam_width: int = 2  # BeamShape for pool_beam
+    beam_depth: int = 4
+
+
+@dataclass
+class MethodSet:
+    methods: list[Method]  # PLAIN first
+    skipped: dict[str, str] = field(default_factory=dict)  # method -> why it did not run
+
+
+def build_methods(
+    models: FixtureModels,
+    decoding: Decoding,
+    batch_size: int,
+    max_new: int,
+    shapes: Shapes,
+    probe: BatchEncoding,
+) -> MethodSet:
+    """The methods for one decoding and batch size; each candidate runs once on `probe` (the
+    first warm-up run), and one that raises is skipped with the error as its reason."""
+    candidates = _candidates(models, decoding, batch_size, max_new, shapes)
+    out = MethodSet([])
+    for name, make in candidates.items():
+        try:
+            method = make()
+            with torch.inference_mode():
+                method.run(probe.input_ids, probe.attention_mask)
+        except (ValueError, NotImplementedError) as error:
+            if name == PLAIN:
+                raise
+            out.skipped[name] = f"{type(error).__name__}: {error}"
+            continue
+        out.methods.append(method)
+    return out
+
+
+def _candidates(
+    models: FixtureModels, decoding: Decoding, batch_size: int, max_new: int, shapes: Shapes
+) -> dict[str, Callable[[], Method]]:
+    llm, pool, tok = models.llm, models.pool, models.tokenizer
+    chain = ChainShape(shapes.chain_length)
+    beam = BeamShape(shapes.beam_width, shapes.beam_depth)
+    everyone = list(range(len(pool)))
+
+    def hf(name: str, description: str, **kwargs: object) -> Callable[[], Method]:
+        return lambda: _hf_method(name, description, llm, models.counter, max_new, decoding, **kwargs)
+
+    # Two groups of half the batch each, so that drafting one overlaps verifying the other.
+    engine_config = EngineConfig(batch_size=max(1, batch_size // 2), num_groups=2, pipeline=True)
+
+    def engine(name: str, description: str) -> Callable[[], Method]:
+        def make() -> Method:
+            decoder = SpeculativeDecoder(llm, pool, tok, shape=chain)
+            return _engine_method(name, description, decoder, engine_config, max_new, decoding)
+
+        return make
+
+    def ours(name: str, description: str, indices: list[int], **kwargs: object) -> Callable[[], Method]:
+        def make() -> Method:
+            ssms = pool if indices == everyone else [pool.models[i] for i in indices]
+            decoder = SpeculativeDecoder(llm, ssms, tok, **kwargs)
+            if batch_size > 1:
+                return _batched_method(name, description, decoder, max_new, decoding)
+            return _our_method(name, description, decoder, indices, max_new, decoding)
+
+        return make
+
+    if batch_size > 1:
+        return {
+            PLAIN: hf(PLAIN, f"llm.generate, batch of {batch_size}, left padding"),
+            "batched": ours(
+                "batched", f"{chain} by all SSMs, one ragged batch ({BASS})", everyone, shape=chain
+            ),
+            "engine": engine(
+                "engine",
+                f"{chain} by all SSMs ({BASS}), pipelined serving engine: "
+                f"{engine_config.num_groups} groups of {engine_config.batch_size}",
+            ),
+        }
+    out = {PLAIN: hf(PLAIN, "llm.generate")}
+    for i, ssm in enumerate(pool.models):
+        name = f"{HF_ASSISTED}[{i}]"
+        out[name] = hf(name, f"llm.generate(assistant_model=SSM {i})", assistant_model=ssm)
+    for i in everyone:
+        out[f"chain[{i}]"] = ours(f"chain[{i}]", f"{chain} drafted by SSM {i}", [i], shape=chain)
+    out["stairs[0]"] = ours(
+        "stairs[0]", f"{chain} drafted by SSM 0, Stairs verification", [0], shape=chain, verification="stairs"
+    )
+    for name, shape in (("pool_chain", chain), ("pool_beam", beam)):
+        out[name] = ours(name, f"{shape} by all SSMs, merged (SpecInfer)", everyone, shape=shape)
+    strategy_shapes = {"majority": chain, "pruned": beam}  # others draft their own trees
+    for strategy in (s for s in STRATEGIES if s not in _BUILT_IN):
+        kwargs: dict[str, object] = {"strategy": strategy}
+        description = f'strategy="{strategy}"'
+        if strategy in strategy_shapes:
+            kwargs["shape"] = strategy_shapes[strategy]
+            description += f", {strategy_shapes[strategy]}"
+        out[strategy] = ours(strategy, description, everyone, **kwargs)
+        if strategy in ADAPTIVE_STRATEGIES:
+            name = f"{strategy}+adaptive"
+            description += f', length_controller="{ADAPTIVE_LENGTH}"'
+            out[name] = ours(name, description, everyone, length_controller=ADAPTIVE_LENGTH, **kwargs)
+    description = "learned scheduler (the pool's predictor and hardware profile)"
+    out["learned"] = ours("learned", description, everyone, strategy="learned")
+    return out
+
+
+def _batched_method(
+    name: str, description: str, decoder: SpeculativeDecoder, max_new: int, decoding: Decoding
+) -> Method:
+    """`decoder.generate` on a whole left-padded batch (`BatchedOutput`: one `DecodeStats` per
+    row in `stats.sequences`)."""
+    seed = decoding.seed if decoding.do_sample else None
+
+    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> MethodResult:
+        out = decoder.generate(
+            input_ids, attention_mask=attention_mask, max_new_tokens=max_new, seed=seed, **decoding.options()
+        )
+        return _rows_result(_new_tokens(out.sequences, input_ids), out.stats.sequences)
+
+    return Method(name, description, run)
+
+
+def _engine_method(
+    name: str,
+    description: str,
+    decoder: SpeculativeDecoder,
+    config: EngineConfig,
+    max_new: int,
+    decoding: Decoding,
+) -> Method:
+    """The batch's rows as requests to a serving `Engine` (started and closed within the run);
+    the new tokens of each row padded as batched `generate` pads them, row after row."""
+    seed = decoding.seed if decoding.do_sample else None
+
+    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> MethodResult:
+        prompts = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask, strict=True)]
+        with Engine(decoder, config) as engine:
+            results = engine.run(prompts, max_new_tokens=max_new, seed=seed, **decoding.options())
+        pad = pad_token_id(decoder, frozenset())
+        width = max(len(r.new_tokens) for r in results)
+        tokens = [t for r in results for t in r.new_tokens + [pad] * (width - len(r.new_tokens))]
+        return _rows_result(tokens, [r.stats for r in results])
+
+    return Method(name, description, run)
+
+
+def _rows_result(tokens: list[int], rows: Sequence[DecodeStats]) -> MethodResult:
+    stats = merged_stats(rows)
+    return MethodResult(tokens, stats.llm_steps, stats.draft_tokens, stats.accepted_tokens, stats.to_dict())
+
+
+def merged_stats(rows: Sequence[DecodeStats]) -> DecodeStats:
+    """Several sequences' statistics as one: counts summed (LLM passes per sequence, as
+    `BatchStats.tokens_per_step` counts them), every row's match lengths, phase times summed
+    (each row's are the batch's wall time, so their shares are the batch's)."""
+    total = DecodeStats()
+    for s in rows:
+        for name in ("llm_steps", "new_tokens", "draft_tokens", "accepted_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for phase in ("draft", "verify", "other", "total"):
+            setattr(total, f"time_{phase}", getattr(total, f"time_{phase}") + getattr(s, f"time_{phase}"))
+        for i, n in s.proposed_per_ssm.items():
+            total.proposed_per_ssm[i] += n
+        for i, n in s.accepted_per_ssm.items():
+            total.accepted_per_ssm[i] += n
+        total.match_lengths += s.match_lengths
+    return total

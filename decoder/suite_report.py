@@ -1,0 +1,246 @@
+"""The benchmark suite's numbers, from run records alone (no models): what the tables, the JSON
+and the plots show.
+
+Metric names and definitions are those of ALGORITHMS.md section 13:
+- tokens per step = new tokens / LLM verification passes (forward passes for plain and HF
+  assisted generation), so the LLM's own token of every pass (the bonus token) counts: plain
+  decoding has exactly 1.0;
+- acceptance rate = accepted / proposed draft tokens, overall and per SSM; by position k: the share
+  of verification steps whose match length (accepted drafted tokens, `DecodeStats.match_lengths`)
+  is at least k;
+- speedup = wall time of plain decoding / wall time of the method, side by side in one run. The
+  methods run interleaved, so each repeat r is one paired measurement: the workload's tokens/s
+  of the method over that of plain decoding in the same repeat (for identical greedy outputs,
+  exactly the ratio of wall times). Reported as the median over repeats with the min and max;
+  "vs HF assisted" divides by the fastest Hugging Face assisted generation instead.
+Greedy outputs must equal plain decoding's token for token: a method that differs is flagged and
+gets no speedup and no rank. Sampled outputs cannot be compared token-wise; their speed and
+acceptance are reported and ranked as they are.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from specboost.decoder.bench import RunRecord, _acceptance, _acceptance_per_ssm
+
+PLAIN = "plain"  # the reference method of every cell (runs first)
+HF_ASSISTED = "hf_assisted"  # prefix of the Hugging Face assisted generation methods
+PHASES = ("draft", "verify", "other")  # DecodeStats.time_<phase>; "other" is the decoder's bookkeeping
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One workload cell: a category decoded one way at one batch size."""
+
+    category: str
+    decoding: str  # bench.Decoding.name: "greedy" or "sample(...)"
+    greedy: bool
+    batch_size: int
+
+
+@dataclass
+class CellRun:
+    cell: Cell
+    methods: dict[str, str]  # name -> description, in table order; PLAIN first
+    records: list[RunRecord] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median over repeats, with the smallest and largest value."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        values = list(values)
+        return cls(statistics.median(values), min(values), max(values))
+
+
+@dataclass
+class MethodRow:
+    method: str
+    description: str
+    tokens_per_step: float  # new tokens / LLM passes (bonus token included)
+    draft_tokens_per_step: float | None  # drafted tree nodes per LLM pass: the tree size
+    acceptance_rate: float | None  # accepted / drafted tokens (None: the method reports no drafts)
+    acceptance_rate_per_ssm: dict[int, float] | None
+    accepted_at_least: list[float] | None  # [k - 1]: share of steps accepting >= k drafted tokens
+    time_split: dict[str, float] | None  # share of the decoder's time per phase (PHASES)
+    tokens_per_second: Spread
+    speedup_vs_plain: Spread | None  # None: output differs (not ranked)
+    speedup_vs_hf_assisted: Spread | None  # vs the fastest HF assisted method; None without one
+    identical_to_plain: bool | None  # None: sampled, not comparable token-wise
+    rank: int | None = None  # 1 = fastest; None: not ranked
+
+    @property
+    def ranked(self) -> bool:
+        return self.identical_to_plain is not False
+
+
+def summarise(records: Sequence[RunRecord], methods: dict[str, str], greedy: bool) -> list[MethodRow]:
+    """One row per method over `records` (one or more cells of one decoding and batch size),
+    ranked by median speedup vs plain."""
+    by_method: dict[str, list[RunRecord]] = defaultdict(list)
+    for r in records:
+        by_method[r.method].append(r)
+    missing = [name for name in methods if not by_method[name]]
+    if missing or PLAIN not in methods:
+        raise ValueError(f"no records for {missing or [PLAIN]}: every method (and {PLAIN!r}) needs some")
+    rates = {name: _rates_per_repeat(by_method[name]) for name in methods}
+    identical = {
+        name: all(r.identical_to_plain for r in by_method[name]) if greedy else None for name in methods
+    }
+    hf = [n for n in methods if n.startswith(HF_ASSISTED) and identical[n] is not False]
+    best_hf = max(hf, key=lambda n: statistics.median(rates[n].values()), default=None)
+    rows = []
+    for name, description in methods.items():
+        rs, ok = by_method[name], identical[name] is not False
+        rows.append(
+            MethodRow(
+                method=name,
+                description=description,
+                tokens_per_step=sum(r.new_tokens for r in rs) / max(1, sum(r.llm_steps for r in rs)),
+                draft_tokens_per_step=_per_step(rs, "draft_tokens"),
+                acceptance_rate=_acceptance(rs),
+                acceptance_rate_per_ssm=_acceptance_per_ssm(rs),
+                accepted_at_least=accepted_at_least(rs),
+                time_split=_time_split(rs),
+                tokens_per_second=Spread.of(rates[name].values()),
+                speedup_vs_plain=_ratio(rates[name], rates[PLAIN]) if ok else None,
+                speedup_vs_hf_assisted=_ratio(rates[name], rates[best_hf]) if ok and best_hf else None,
+                identical_to_plain=identical[name],
+            )
+        )
+    ranked = sorted((row for row in rows if row.ranked), key=lambda row: -row.speedup_vs_plain.median)
+    for rank, row in enumerate(ranked, start=1):
+        row.rank = rank
+    return rows
+
+
+def _rates_per_repeat(records: Sequence[RunRecord]) -> dict[int, float]:
+    """Repeat -> tokens per second over the whole workload in that repeat."""
+    tokens: dict[int, int] = defaultdict(int)
+    seconds: dict[int, float] = defaultdict(float)
+    for r in records:
+        tokens[r.repeat] += r.new_tokens
+        seconds[r.repeat] += r.seconds
+    return {k: tokens[k] / seconds[k] if seconds[k] else 0.0 for k in sorted(tokens)}
+
+
+def _ratio(method: dict[int, float], reference: dict[int, float]) -> Spread:
+    """Per repeat (each a side-by-side measurement), method rate / reference rate."""
+    return Spread.of(method[k] / reference[k] for k in method if reference.get(k))
+
+
+def _per_step(records: Sequence[RunRecord], name: str) -> float | None:
+    values = [getattr(r, name) for r in records]
+    if any(v is None for v in values):
+        return None
+    return sum(values) / max(1, sum(r.llm_steps for r in records))
+
+
+def accepted_at_least(records: Sequence[RunRecord]) -> list[float] | None:
+    """[k - 1] = share of verification steps whose match length is >= k, for k = 1 .. the longest."""
+    if any(r.stats is None for r in records):
+        return None
+    lengths = [m for r in records for m in r.stats["match_lengths"]]
+    if not lengths:
+        return []
+    return [sum(m >= k for m in lengths) / len(lengths) for k in range(1, max(lengths) + 1)]
+
+
+def _time_split(records: Sequence[RunRecord]) -> dict[str, float] | None:
+    if any(r.stats is None for r in records):
+        return None
+    seconds = {phase: sum(r.stats[f"time_{phase}"] for r in records) for phase in PHASES}
+    total = sum(seconds.values())
+    return {phase: s / total if total else 0.0 for phase, s in seconds.items()}
+
+
+# Tables -------------------------------------------------------------------------------------------
+@dataclass
+class Table:
+    """Methods of one decoding and batch size over all categories, plus each category alone."""
+
+    decoding: str
+    batch_size: int
+    rows: list[MethodRow]
+    per_category: dict[str, list[MethodRow]]
+
+    @property
+    def title(self) -> str:
+        return f"{self.decoding}, batch {self.batch_size}"
+
+
+def tables(runs: Sequence[CellRun]) -> list[Table]:
+    """One table per (decoding, batch size), in the order the cells ran."""
+    groups: dict[tuple[str, int], list[CellRun]] = {}
+    for run in runs:
+        groups.setdefault((run.cell.decoding, run.cell.batch_size), []).append(run)
+    out = []
+    for (decoding, batch_size), group in groups.items():
+        methods, greedy = group[0].methods, group[0].cell.greedy
+        records = [r for run in group for r in run.records]
+        per_category = {run.cell.category: summarise(run.records, methods, greedy) for run in group}
+        out.append(Table(decoding, batch_size, summarise(records, methods, greedy), per_category))
+    return out
+
+
+def _number(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _spread(value: Spread | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value.median:.2f}x ({value.low:.2f}-{value.high:.2f})"
+
+
+def _output(row: MethodRow) -> str:
+    return {True: "same", False: "**DIFFERS**", None: "sampled"}[row.identical_to_plain]
+
+
+def markdown_table(table: Table) -> str:
+    """The headline table (categories together) and the speedup of every category."""
+    header = (
+        "| rank | method | tokens/step | drafted/step | acceptance | per SSM | draft/verify/other "
+        "| tokens/s | vs plain | vs HF assisted | output |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for row in sorted(table.rows, key=lambda r: (r.rank is None, r.rank or 0)):
+        per_ssm = " ".join(f"{i}:{a:.2f}" for i, a in (row.acceptance_rate_per_ssm or {}).items()) or "-"
+        split = "/".join(f"{row.time_split[p]:.0%}" for p in PHASES) if row.time_split else "-"
+        cells = (
+            _number(row.rank, "d"),
+            f"`{row.method}`",
+            f"{row.tokens_per_step:.2f}",
+            _number(row.draft_tokens_per_step, ".1f"),
+            _number(row.acceptance_rate),
+            per_ssm,
+            split,
+            f"{row.tokens_per_second.median:.1f}",
+            _spread(row.speedup_vs_plain),
+            _spread(row.speedup_vs_hf_assisted),
+            _output(row),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    categories = list(table.per_category)
+    lines += ["", "Speedup vs plain per category (median over repeats):", ""]
+    lines.append("| method | " + " | ".join(categories) + " |")
+    lines.append("|---|" + "---|" * len(categories))
+    for row in table.rows:
+        by_category = [
+            next(r for r in table.per_category[c] if r.method == row.method).speedup_vs_plain
+            for c in categories
+        ]
+        lines.append(
+            f"| `{row.method}` | " + " | ".join(_number(s.median if s else None) for s in by_category) + " |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""One SSM drafting chains for a whole batch at once (ALGORITHMS.md sections 3 and 11).
+
+`SSMDrafter` drafts for one sequence; in a batch that costs one SSM call per sequence and chain
+position. `BatchedChainDrafter` keeps one ragged cache over the rows of a batch (BASS-PAD, as the
+LLM does) and drafts every row's chain with one SSM pass per chain position: first a pass that
+catches each row up on the tokens verified since its last draft (it keeps the K/V of the drafted
+tokens the LLM accepted, as `SSMDrafter` does), then one [B, 1] pass per further token.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from specboost.speculator.model_info import context_length
+from specboost.speculator.ragged import RaggedCache, chain_batch
+from specboost.speculator.sampling import LogitsToProbs
+
+Chain = list[tuple[int, torch.Tensor | None]]  # drafted tokens, each with its q (None when greedy)
+
+
+class BatchedChainDrafter:
+    """SSM number `index` of a pool, drafting a chain per row of a batch of sequences."""
+
+    def __init__(self, model: PreTrainedModel, index: int) -> None:
+        self.model = model
+        self.index = index
+        self.max_positions = context_length(model)
+        self.cache = RaggedCache()
+        self.seen: list[list[int]] = []  # per row: the tokens whose K/V the cache holds, in order
+
+    def add_rows(self, count: int) -> None:
+        """New rows at the end of the batch (with empty caches)."""
+        self.cache.extend(RaggedCache(count))
+        self.seen += [[] for _ in range(count)]
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only the rows `rows`, in that order."""
+        self.cache.select(rows)
+        self.seen = [self.seen[r] for r in rows]
+
+    @torch.no_grad()
+    def draft(
+        self,
+        verified: list[list[int]],
+        lengths: list[int],
+        probs: list[LogitsToProbs],
+        generators: list[torch.Generator | None],
+    ) -> list[Chain]:
+        """A chain of `lengths[b]` tokens after `verified[b]` for every row b (fewer past the SSM's
+        context; a row with length 0 drafts nothing and keeps its cache as it is)."""
+        if self.max_positions is not None:
+            lengths = [min(n, self.max_positions - len(v)) for n, v in zip(lengths, verified, strict=True)]
+        chains: list[Chain] = [[] for _ in verified]
+        if max(lengths, default=0) < 1:
+            return chains
+        logits = self._feed(
+            [
+                self._catch_up(b, v) if n > 0 else []
+                for b, (v, n) in enumerate(zip(verified, lengths, strict=True))
+            ]
+        )
+        for step in range(max(lengths)):
+            greedy = logits.argmax(-1).tolist()
+            for b, chain in enumerate(chains):
+                if step < lengths[b]:
+                    chain.append(_choose(logits[b], greedy[b], probs[b], generators[b]))
+            # The last token of a chain is never fed: the next draft starts from the verified tokens.
+            feeds = [[chain[-1][0]] if step + 1 < n else [] for chain, n in zip(chains, lengths, strict=True)]
+            if any(feeds):
+                logits = self._feed(feeds)
+        return chains
+
+    def _catch_up(self, row: int, verified: list[int]) -> list[int]:
+        """Drop the cached tokens that are not a prefix of `verified`; return what must be fed
+        (at least the last token, whose logits start the chain)."""
+        seen, common = self.seen[row], 0
+        limit = min(len(seen), len(verified) - 1)
+        while common < limit and seen[common] == verified[common]:
+            common += 1
+        self.cache.truncate(row, common)
+        self.seen[row] = seen[:common]
+        return verified[common:]
+
+    def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
+        """Feed chain `feeds[b]` to row b in one pass and keep it all; [B, V] logits after each
+        row's last fed token (garbage for rows fed nothing)."""
+        out = self.cache.forward(self.model, chain_batch(feeds))
+        self.cache.keep([list(range(len(f))) for f in feeds])
+        for seen, fed in zip(self.seen, feeds, strict=True):
+            seen.extend(fed)
+        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
+        return out.logits[torch.arange(len(feeds), device=last.device), last]
+
+
+def _choose(
+    logits: torch.Tensor, greedy: int, probs: LogitsToProbs, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
+    """The next chain token, as `SSMDrafter` picks it: argmax, or a sample from q (kept for MSS)."""
+    if not probs.config.do_sample:
+        return greedy, None
+    q = probs(logits[None])[0]
+    return int(torch.multinomial(q, 1, generator=generator)), q

@@ -1,0 +1,250 @@
+"""The benchmark suite's report computations (decoder/suite_report.py) on synthetic run records:
+the bonus-token convention of ALGORITHMS.md section 13, medians and spread over repeats,
+speedups, the identical-output check and per-position acceptance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specboost.decoder.bench import RunRecord
+from specboost.decoder.suite import SuiteConfig, SuiteReport, markdown_report, update_readme, write_report
+from specboost.decoder.suite_fixture import FixtureBuild, FixturePaths
+from specboost.decoder.suite_report import (
+    Cell,
+    CellRun,
+    Spread,
+    accepted_at_least,
+    markdown_table,
+    summarise,
+    tables,
+)
+
+
+def stats(match_lengths: list[int], drafted_per_step: int, ssm: int = 0, times=(0.2, 0.6, 0.2)) -> dict:
+    """DecodeStats.to_dict()-like: one SSM drafting `drafted_per_step` tokens every step."""
+    steps = len(match_lengths)
+    draft, verify, other = times
+    return {
+        "match_lengths": match_lengths,
+        "proposed_per_ssm": {ssm: drafted_per_step * steps},
+        "accepted_per_ssm": {ssm: sum(match_lengths)},
+        "time_draft": draft,
+        "time_verify": verify,
+        "time_other": other,
+        "strategy": {},
+    }
+
+
+def ours(
+    method: str, repeat: int, seconds: float, match_lengths: list[int], identical: bool = True
+) -> RunRecord:
+    """A speculative run: every step emits its accepted drafts plus the LLM's own (bonus) token."""
+    return RunRecord(
+        method=method,
+        prompt_index=0,
+        repeat=repeat,
+        new_tokens=sum(m + 1 for m in match_lengths),
+        llm_steps=len(match_lengths),
+        seconds=seconds,
+        identical_to_plain=identical,
+        draft_tokens=4 * len(match_lengths),
+        accepted_tokens=sum(match_lengths),
+        stats=stats(match_lengths, 4),
+    )
+
+
+def hf(
+    method: str, repeat: int, seconds: float, tokens: int, steps: int, identical: bool = True
+) -> RunRecord:
+    return RunRecord(method, 0, repeat, tokens, steps, seconds, identical)
+
+
+MATCHES = [3, 1, 0, 4]  # 8 + 4 bonus = 12 new tokens in 4 LLM passes
+METHODS = {"plain": "llm.generate", "hf_assisted[0]": "HF 0", "hf_assisted[1]": "HF 1", "chain[0]": "ours"}
+
+
+def records(chain_identical: bool = True) -> list[RunRecord]:
+    """Three repeats: plain takes 1.2 s, 1.0 s, 1.1 s for 12 tokens; chain[0] 0.4 s, 0.45 s, 0.5 s."""
+    out = []
+    for repeat, (plain, hf0, hf1, chain) in enumerate(
+        [(1.2, 0.8, 0.6, 0.4), (1.0, 0.9, 0.5, 0.45), (1.1, 1.0, 0.55, 0.5)]
+    ):
+        out += [
+            hf("plain", repeat, plain, 12, 12),
+            hf("hf_assisted[0]", repeat, hf0, 12, 5),
+            hf("hf_assisted[1]", repeat, hf1, 12, 4),
+            ours("chain[0]", repeat, chain, MATCHES, chain_identical),
+        ]
+    return out
+
+
+def rows_by_name(rows):
+    return {row.method: row for row in rows}
+
+
+def test_tokens_per_step_counts_the_bonus_token() -> None:
+    rows = rows_by_name(summarise(records(), METHODS, greedy=True))
+    assert rows["plain"].tokens_per_step == 1.0  # one token per LLM forward pass
+    assert rows["chain[0]"].tokens_per_step == pytest.approx(12 / 4)  # 8 accepted drafts + 4 LLM tokens
+    assert rows["hf_assisted[1]"].tokens_per_step == 3.0
+    assert rows["chain[0]"].draft_tokens_per_step == 4.0
+    assert rows["chain[0]"].acceptance_rate == pytest.approx(8 / 16)
+    assert rows["chain[0]"].acceptance_rate_per_ssm == {0: pytest.approx(0.5)}
+    assert rows["plain"].acceptance_rate is None and rows["plain"].accepted_at_least is None
+
+
+def test_medians_and_spread_are_over_repeats_paired_side_by_side() -> None:
+    rows = rows_by_name(summarise(records(), METHODS, greedy=True))
+    assert rows["plain"].tokens_per_second == Spread(12 / 1.1, 12 / 1.2, 12 / 1.0)
+    # Speedup per repeat = plain's time / chain's time in that same repeat: 3.0, 2.22, 2.2.
+    speedup = rows["chain[0]"].speedup_vs_plain
+    assert (speedup.median, speedup.low, speedup.high) == pytest.approx((1.0 / 0.45, 2.2, 3.0))
+    assert rows["plain"].speedup_vs_plain == Spread(1.0, 1.0, 1.0)
+
+
+def test_speedup_vs_hf_assisted_is_against_the_fastest_one() -> None:
+    rows = rows_by_name(summarise(records(), METHODS, greedy=True))
+    # hf_assisted[1] is the faster (median 0.55 s): chain vs it per repeat = 1.5, 1.11, 1.1.
+    vs_hf = rows["chain[0]"].speedup_vs_hf_assisted
+    assert (vs_hf.median, vs_hf.low, vs_hf.high) == pytest.approx((0.5 / 0.45, 1.1, 1.5))
+    assert rows["hf_assisted[1]"].speedup_vs_hf_assisted == Spread(1.0, 1.0, 1.0)
+
+
+def test_a_method_whose_greedy_output_differs_is_flagged_and_not_ranked() -> None:
+    rows = summarise(records(chain_identical=False), METHODS, greedy=True)
+    by_name = rows_by_name(rows)
+    chain = by_name["chain[0]"]
+    assert chain.identical_to_plain is False
+    assert chain.rank is None and chain.speedup_vs_plain is None and chain.speedup_vs_hf_assisted is None
+    assert chain.tokens_per_step == 3.0  # still reported
+    ranked = sorted((r for r in rows if r.rank is not None), key=lambda r: r.rank)
+    assert [r.method for r in ranked] == ["hf_assisted[1]", "hf_assisted[0]", "plain"]
+    assert [r.rank for r in ranked] == [1, 2, 3]
+
+
+def test_ranking_orders_by_median_speedup() -> None:
+    rows = rows_by_name(summarise(records(), METHODS, greedy=True))
+    assert [rows[m].rank for m in ("chain[0]", "hf_assisted[1]", "hf_assisted[0]", "plain")] == [1, 2, 3, 4]
+
+
+def test_a_differing_hf_assisted_run_is_not_the_reference() -> None:
+    rs = [
+        r if r.method != "hf_assisted[1]" else hf(r.method, r.repeat, r.seconds, 12, 4, False)
+        for r in records()
+    ]
+    vs_hf = rows_by_name(summarise(rs, METHODS, greedy=True))["chain[0]"].speedup_vs_hf_assisted
+    assert vs_hf.median == pytest.approx(2.0)  # against hf_assisted[0] now: 0.8/0.4, 0.9/0.45, 1/0.5
+
+
+def test_sampled_runs_are_not_compared_token_wise_but_ranked_by_speed() -> None:
+    rs = records(chain_identical=False)  # the token check means nothing when sampling
+    rows = rows_by_name(summarise(rs, METHODS, greedy=False))
+    assert all(row.identical_to_plain is None for row in rows.values())
+    assert rows["chain[0]"].rank == 1 and rows["chain[0]"].speedup_vs_plain.median == pytest.approx(1 / 0.45)
+
+
+def test_acceptance_by_position_is_the_share_of_steps_accepting_at_least_k() -> None:
+    r = ours("chain[0]", 0, 1.0, [0, 1, 2, 4])
+    assert accepted_at_least([r]) == [0.75, 0.5, 0.25, 0.25]
+    assert accepted_at_least([ours("chain[0]", 0, 1.0, [0, 0])]) == []
+    assert accepted_at_least([hf("plain", 0, 1.0, 4, 4)]) is None
+
+
+def test_time_split_sums_the_decoders_phases() -> None:
+    split = rows_by_name(summarise(records(), METHODS, greedy=True))["chain[0]"].time_split
+    assert split == pytest.approx({"draft": 0.2, "verify": 0.6, "other": 0.2})
+
+
+def test_every_method_needs_records() -> None:
+    with pytest.raises(ValueError, match="no records"):
+        summarise([r for r in records() if r.method != "chain[0]"], METHODS, greedy=True)
+
+
+def cell_runs() -> list[CellRun]:
+    greedy = [CellRun(Cell(c, "greedy", True, 1), METHODS, records(c != "math")) for c in ("stories", "math")]
+    sampled = CellRun(Cell("stories", "sample(T=0.8, top_p=1)", False, 1), METHODS, records(False))
+    return [*greedy, sampled]
+
+
+def test_tables_group_cells_by_decoding_and_batch_size() -> None:
+    greedy, sampled = tables(cell_runs())
+    assert greedy.title == "greedy, batch 1" and list(greedy.per_category) == ["stories", "math"]
+    assert sampled.title == "sample(T=0.8, top_p=1), batch 1"
+    stories = rows_by_name(greedy.per_category["stories"])["chain[0]"]
+    assert stories.identical_to_plain is True and stories.rank == 1
+    # Over all categories the chain differs (in math): flagged, not ranked.
+    assert rows_by_name(greedy.rows)["chain[0]"].rank is None
+    text = markdown_table(greedy)
+    assert "**DIFFERS**" in text and "| - | `chain[0]` |" in text
+    assert "| `chain[0]` | 2.22 | - |" in text  # per category: stories 2.22x, math not ranked
+
+
+MACHINE = {
+    "cpu": "Test CPU",
+    "cpu_count": 2,
+    "load_average": 3.0,
+    "torch_threads": 1,
+    "dtype": "float32",
+    "device": "cpu",
+    "torch": "2.x",
+    "transformers": "5.x",
+}
+
+
+def suite_report(tmp_path: Path, runs: list[CellRun]) -> SuiteReport:
+    models = {"llm": "llm", "pool": "pool", "parameters": {"llm": 2_000_000, "ssms": [300_000]}}
+    build = FixtureBuild("tiny", FixturePaths.of("tiny", tmp_path))
+    return SuiteReport(SuiteConfig(fixture="tiny"), MACHINE, models, build, runs, {"x": {"m": "why"}})
+
+
+def test_markdown_report_states_the_machine_first(tmp_path: Path) -> None:
+    text = markdown_report(suite_report(tmp_path, cell_runs()))
+    lines = text.splitlines()
+    assert lines[0] == "# specboost benchmark suite"
+    assert lines[2].startswith(
+        "**Machine:** Test CPU (2 cores, load average 3.0 when the suite started), no GPU; "
+        "torch threads 1, float32 on cpu"
+    )
+    assert "## greedy, batch 1" in text and "## sample(T=0.8, top_p=1), batch 1" in text
+    assert "- x: `m`: why" in text
+
+
+def test_write_report_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+    runs = cell_runs()
+    for r in runs[0].records:  # a weighted-majority method records its SSM weights
+        if r.stats is not None:
+            r.stats["strategy"] = {"weights": [[1.0], [1.25]]}
+    write_report(suite_report(tmp_path, runs), tmp_path / "out")
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == [
+        "acceptance_by_position.png",
+        "report.md",
+        "speedup.png",
+        "ssm_weights.png",
+        "suite.json",
+        "tokens_per_step_vs_tree_size.png",
+    ]
+    data = json.loads((tmp_path / "out" / "suite.json").read_text())
+    assert data["machine"]["cpu"] == "Test CPU" and len(data["runs"]) == 3
+    assert data["tables"][0]["rows"][0]["method"] == "plain"
+
+
+def test_the_readme_gets_the_report_between_its_markers_only(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    before = "# x\n\n## Benchmark results\n\nHow to run it.\n\n<!-- bench-suite: begin -->\n"
+    after = "<!-- bench-suite: end -->\n\n## Next\n"
+    readme.write_text(before + "old numbers\n" + after)
+    report = suite_report(tmp_path, cell_runs())
+    update_readme(readme, report, Path("artifacts/bench-suite/tiny"))
+    text = readme.read_text()
+    assert text.startswith(before) and text.endswith(after) and "old numbers" not in text
+    assert "**Machine:** Test CPU" in text and "### greedy, batch 1" in text
+    assert "`artifacts/bench-suite/tiny/report.md`" in text
+    update_readme(readme, report, Path("artifacts/bench-suite/tiny"))
+    assert readme.read_text() == text  # idempotent
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="needs the lines"):
+        update_readme(readme, report, Path("out"))

@@ -1,0 +1,129 @@
+"""The benchmark suite's set-up: fixture steps and their done-markers (decoder/suite_fixture.py),
+suite settings (decoder/suite.py) and `specboost bench`'s two modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specboost.decoder import suite_fixture
+from specboost.decoder.bench import Decoding
+from specboost.decoder.cli import main
+from specboost.decoder.suite import SUITES, SuiteConfig, resolve_suite
+from specboost.decoder.suite_fixture import Step, build_fixture, cached_outcome, fixture_steps
+
+
+def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None:
+    steps = fixture_steps("small", tmp_path, threads=2)
+    assert [s.name for s in steps] == [
+        "reference-llm",
+        "distill-tinystories_openings",
+        "boost",
+        "distill-gutenberg_openings",
+        "predictor-data",
+        "predictor",
+        "profile",
+        "sequoia-acceptance",
+        "export",
+    ]
+    reference = steps[0]
+    assert reference.argv[:2] == ("-m", "specboost.training.reference_llm")
+    assert str(tmp_path / "reference-llm" / "small") in reference.argv  # shared with make reference-llm
+    cache = tmp_path / "bench-fixture" / "small"
+    assert all(cache in s.output.parents for s in steps[1:])
+    assert steps[6].argv[-2:] == ("--threads", "2")  # profiled under the suite's threads
+
+
+def fake_steps(tmp_path: Path) -> list[Step]:
+    """Two steps that each write their output file (and count their runs in runs.txt)."""
+    script = "import sys, pathlib; p = pathlib.Path(sys.argv[1]); p.write_text('x'); " + (
+        "r = p.parent / 'runs.txt'; r.write_text(r.read_text() + p.name if r.exists() else p.name)"
+    )
+    return [Step(name, ("-c", script, str(tmp_path / name)), tmp_path / name) for name in ("a", "b")]
+
+
+def runs(tmp_path: Path) -> str:
+    return (tmp_path / "runs.txt").read_text()
+
+
+def test_a_built_step_is_cached_until_its_command_or_output_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = fake_steps(tmp_path)
+    monkeypatch.setattr(suite_fixture, "fixture_steps", lambda *_: steps)
+    first = build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert [(o.name, o.cached) for o in first.steps] == [("a", False), ("b", False)]
+    assert runs(tmp_path) == "ab"
+    marker = json.loads((tmp_path / "bench-fixture" / "tiny" / "done" / "a.json").read_text())
+    assert marker["argv"] == list(steps[0].argv) and marker["seconds"] > 0
+
+    second = build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert [o.cached for o in second.steps] == [True, True]
+    assert second.steps[0].seconds == first.steps[0].seconds  # the original build time
+    assert runs(tmp_path) == "ab"
+
+    (tmp_path / "b").unlink()  # output gone: b runs again, a stays cached
+    build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert runs(tmp_path) == "abb"
+
+    # A changed command runs that step, and every later step with it.
+    steps[0] = Step("a", (*steps[0].argv, "--new-setting"), steps[0].output)
+    assert cached_outcome(tmp_path / "bench-fixture" / "tiny", steps[0]) is None
+    build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert runs(tmp_path) == "abbab"
+
+
+def test_a_dry_run_runs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(suite_fixture, "fixture_steps", lambda *_: fake_steps(tmp_path))
+    lines: list[str] = []
+    build = build_fixture("tiny", tmp_path, dry_run=True, log=lines.append)
+    assert build.steps == [] and not (tmp_path / "runs.txt").exists()
+    assert all("to build: python -c" in line for line in lines)
+
+
+def test_a_failing_step_writes_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = Step("bad", ("-c", "raise SystemExit(3)"), tmp_path / "never")
+    monkeypatch.setattr(suite_fixture, "fixture_steps", lambda *_: [step])
+    with pytest.raises(Exception, match="exit status 3"):
+        build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert not (tmp_path / "bench-fixture" / "tiny" / "done" / "bad.json").exists()
+
+
+def test_suites_resolve_by_name_or_json_file(tmp_path: Path) -> None:
+    assert resolve_suite("quick") is SUITES["quick"] and SUITES["quick"].fixture == "tiny"
+    path = tmp_path / "suite.json"
+    settings = {
+        "fixture": "tiny",
+        "categories": ["qa"],
+        "decodings": [{"do_sample": True, "temperature": 0.7, "seed": 3}],
+        "shapes": {"chain_length": 3},
+        "batch_sizes": [1],
+    }
+    path.write_text(json.dumps(settings))
+    config = resolve_suite(str(path))
+    assert config.categories == ("qa",) and config.batch_sizes == (1,)
+    assert config.decodings == (Decoding(do_sample=True, temperature=0.7, seed=3),)
+    assert config.shapes.chain_length == 3 and config.shapes.beam_depth == 4
+    path.write_text(json.dumps({"repeat": 3}))
+    with pytest.raises(ValueError, match=r"unknown suite settings \['repeat'\]"):
+        resolve_suite(str(path))
+    with pytest.raises(FileNotFoundError, match="no suite 'nope'"):
+        resolve_suite("nope")
+    with pytest.raises(ValueError, match="unknown fixture"):
+        SuiteConfig(fixture="huge")
+
+
+def test_bench_needs_models_and_prompts_unless_it_runs_the_suite(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--llm", "x"])
+    assert exit_info.value.code == 2
+    assert "bench needs --ssm, --prompts, --out (or --suite)" in capsys.readouterr().err
+
+
+def test_bench_suite_dry_run_lists_the_fixture_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "[fixture tiny] reference-llm: to build:" in out and "export: to build:" in out
+    assert not (tmp_path / "bench-fixture").exists()
