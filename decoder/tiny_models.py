@@ -67,12 +67,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
+    return fast_tokenizer(tokenizer)
+
+
+def fast_tokenizer(tokenizer: Tokenizer, **kwargs: object) -> PreTrainedTokenizerFast:
+    """A `tokenizers` tokenizer as a transformers tokenizer, with SPECIAL_TOKENS in their roles."""
+    pad, bos, eos, unk = SPECIAL_TOKENS
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
+        tokenizer_object=tokenizer, pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk, **kwargs
     )
 
 

@@ -54,9 +54,9 @@ from transformers import (
     default_data_collator,
 )
 
+from specboost.decoder.tiny_models import SPECIAL_TOKENS, fast_tokenizer
 from specboost.training.run_files import library_versions, write_json_atomic
 
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3, as in decoder/tiny_models.py
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus"  # the repository's copy
 SPLIT_FILES = {"train": "train.jsonl*", "validation": "valid.jsonl*"}  # searched in every subfolder
 RECORD = "training_record.json"
@@ -195,15 +195,8 @@ def train_tokenizer(texts: datasets.Dataset, config: ReferenceLLMConfig) -> PreT
     )
     batches = (texts[i : i + 256]["text"] for i in range(0, len(texts), 256))
     tokenizer.train_from_iterator(batches, trainer=trainer, length=len(texts))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        add_bos_token=True,  # prompts start like training documents: <bos> text
-        model_max_length=config.block_size,
-    )
+    # Prompts start like training documents: <bos> text.
+    return fast_tokenizer(tokenizer, add_bos_token=True, model_max_length=config.block_size)
 
 
 def pack_blocks(
