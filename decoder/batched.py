@@ -25,7 +25,7 @@ from transformers import GenerationConfig
 from specboost.decoder.batch_drafting import batch_length_controller, make_drafting
 from specboost.decoder.decoder import _record_step
 from specboost.decoder.sequence import SequenceState, check_options, new_sequence
-from specboost.decoder.stats import DecodeStats, PhaseTimer
+from specboost.decoder.stats import DecodeStats, PhaseTimer, per_token_latency
 from specboost.decoder.verify import RULES, Rule, Verdict, verify_greedy
 from specboost.speculator.ragged import RaggedCache, chain_batch
 from specboost.speculator.tree import TreeBatch
@@ -222,13 +222,7 @@ class BatchStats:
     @property
     def per_token_latency(self) -> dict[str, float]:
         """Seconds per token of the first and last sequence to finish, and the batch mean."""
-        order = sorted(range(len(self.latencies)), key=self.latencies.__getitem__)
-        per_token = self.per_token_latencies
-        return {
-            "first": per_token[order[0]],
-            "last": per_token[order[-1]],
-            "mean": sum(per_token) / len(per_token),
-        }
+        return per_token_latency(self.latencies, [s.new_tokens for s in self.sequences])
 
     def to_dict(self) -> dict:
         out = {name: getattr(self, name) for name in ("latencies", "llm_steps", "lengths")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
@@ -55,6 +55,15 @@ class DecodeStats:
         for name in ("tokens_per_step", "acceptance_rate", "acceptance_rate_per_ssm", "tokens_per_second"):
             out[name] = getattr(self, name)
         return out
+
+
+def per_token_latency(latencies: Sequence[float], new_tokens: Sequence[int]) -> dict[str, float]:
+    """BASS's per-token latency of a batch (ALGORITHMS.md section 11): each sequence's latency
+    (seconds to its last token) / its new tokens, for the sequence that finishes first, the one
+    that finishes last (ties: the lower, the higher per-token latency), and the batch mean."""
+    per_token = [t / max(1, n) for t, n in zip(latencies, new_tokens, strict=True)]
+    order = sorted(zip(latencies, per_token, strict=True))
+    return {"first": order[0][1], "last": order[-1][1], "mean": sum(per_token) / len(per_token)}
 
 
 class PhaseTimer:

@@ -6,7 +6,8 @@ every SSM drafts a chain, or a beam); every further strategy of `SpeculativeDeco
 version has (`strategies.STRATEGIES`: weighted majority, with and without an adaptive length,
 the weight-pruned pool tree, Sequoia); the learned scheduler.
 Batch size > 1: plain batched `llm.generate` against the pool's chains decoded as one ragged batch
-(BASS) and served by the pipelined engine (Minions; two groups of half the batch).
+(BASS) and served by the pipelined engine (Minions; two groups of half the batch). Each keeps every
+row's latency and output length in its stats (`suite_report.row_stats`) for BASS's per-token latency.
 
 A method that cannot run here (a strategy missing its inputs, sampling where it is greedy only,
 batched decoding not implemented) is skipped with the reason: `MethodSet.skipped`.
@@ -14,8 +15,9 @@ batched decoding not implemented) is skipped with the reason: `MethodSet.skipped
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,7 +45,7 @@ from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.strategies import STRATEGIES
-from specboost.decoder.suite_report import HF_ASSISTED, PLAIN
+from specboost.decoder.suite_report import HF_ASSISTED, PLAIN, row_stats
 from specboost.speculator.shapes import BeamShape, ChainShape
 
 # Strategies with their own rows below; every other name in STRATEGIES gets a row of its own.
@@ -147,8 +149,9 @@ def _candidates(
         return make
 
     if batch_size > 1:
+        plain = hf(PLAIN, f"llm.generate, batch of {batch_size}, left padding")
         return {
-            PLAIN: hf(PLAIN, f"llm.generate, batch of {batch_size}, left padding"),
+            PLAIN: lambda: _with_row_latencies(plain(), eos_ids(llm)),
             "batched": ours(
                 "batched", f"{chain} by all SSMs, one ragged batch ({BASS})", everyone, shape=chain
             ),
@@ -197,7 +200,7 @@ def _batched_method(
         out = decoder.generate(
             input_ids, attention_mask=attention_mask, max_new_tokens=max_new, seed=seed, **decoding.options()
         )
-        return _rows_result(_new_tokens(out.sequences, input_ids), out.stats.sequences)
+        return _rows_result(_new_tokens(out.sequences, input_ids), out.stats.sequences, out.stats.latencies)
 
     return Method(name, description, run)
 
@@ -221,14 +224,44 @@ def _engine_method(
         pad = pad_token_id(decoder, frozenset())
         width = max(len(r.new_tokens) for r in results)
         tokens = [t for r in results for t in r.new_tokens + [pad] * (width - len(r.new_tokens))]
-        return _rows_result(tokens, [r.stats for r in results])
+        return _rows_result(tokens, [r.stats for r in results], [r.latency for r in results])
 
     return Method(name, description, run)
 
 
-def _rows_result(tokens: list[int], rows: Sequence[DecodeStats]) -> MethodResult:
+def _with_row_latencies(method: Method, eos: frozenset[int]) -> Method:
+    """Plain batched `llm.generate` with each row's latency and output length in its stats: the
+    batch returns at once, so every row's latency is the whole call's wall time."""
+
+    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> MethodResult:
+        start = time.perf_counter()
+        result = method.run(input_ids, attention_mask)  # its tokens are on the host: synchronised
+        seconds = time.perf_counter() - start
+        lengths = row_lengths(result.tokens, input_ids.shape[0], eos)
+        return replace(result, stats=row_stats([seconds] * len(lengths), lengths))
+
+    return Method(method.name, method.description, run)
+
+
+def eos_ids(llm: PreTrainedModel) -> frozenset[int]:
+    eos = llm.generation_config.eos_token_id
+    return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+
+def row_lengths(tokens: Sequence[int], rows: int, eos: frozenset[int]) -> list[int]:
+    """New tokens of each row of a batch's padded output (`rows` rows of equal width, row after
+    row): through the row's first EOS (padding follows it), or the whole width."""
+    width = len(tokens) // rows
+    return [
+        next((i + 1 for i, t in enumerate(tokens[b * width : (b + 1) * width]) if t in eos), width)
+        for b in range(rows)
+    ]
+
+
+def _rows_result(tokens: list[int], rows: Sequence[DecodeStats], latencies: Sequence[float]) -> MethodResult:
     stats = merged_stats(rows)
-    return MethodResult(tokens, stats.llm_steps, stats.draft_tokens, stats.accepted_tokens, stats.to_dict())
+    data = stats.to_dict() | row_stats(latencies, [s.new_tokens for s in rows])
+    return MethodResult(tokens, stats.llm_steps, stats.draft_tokens, stats.accepted_tokens, data)
 
 
 def merged_stats(rows: Sequence[DecodeStats]) -> DecodeStats:

@@ -12,7 +12,11 @@ Metric names and definitions are those of ALGORITHMS.md section 13:
   methods run interleaved, so each repeat r is one paired measurement: the workload's tokens/s
   of the method over that of plain decoding in the same repeat (for identical greedy outputs,
   exactly the ratio of wall times). Reported as the median over repeats with the min and max;
-  "vs HF assisted" divides by the fastest Hugging Face assisted generation instead.
+  "vs HF assisted" divides by the fastest Hugging Face assisted generation instead;
+- per-token latency (batch > 1; BASS, ALGORITHMS.md section 11) = a row's latency (seconds to its
+  last token; plain batched generation returns every row at once, after the whole call) / its new
+  tokens, of the row that finishes first, the one that finishes last, and the mean over the batch;
+  each repeat's is the mean over its batches, reported as the median over repeats.
 Greedy outputs must equal plain decoding's token for token: a method that differs is flagged and
 gets no speedup and no rank. Sampled outputs cannot be compared token-wise; their speed and
 acceptance are reported and ranked as they are.
@@ -26,10 +30,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specboost.decoder.bench import RunRecord, _acceptance, _acceptance_per_ssm
+from specboost.decoder.stats import per_token_latency
 
 PLAIN = "plain"  # the reference method of every cell (runs first)
 HF_ASSISTED = "hf_assisted"  # prefix of the Hugging Face assisted generation methods
 PHASES = ("draft", "verify", "other")  # DecodeStats.time_<phase>; "other" is the decoder's bookkeeping
+# Batch > 1: each row's latency (seconds from the start to its last token) and new tokens, in stats
+ROW_LATENCIES, ROW_NEW_TOKENS = "row_latencies", "row_new_tokens"
+LATENCY_POINTS = ("first", "last", "mean")  # stats.per_token_latency
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class MethodRow:
     speedup_vs_plain: Spread | None  # None: output differs (not ranked)
     speedup_vs_hf_assisted: Spread | None  # vs the fastest HF assisted method; None without one
     identical_to_plain: bool | None  # None: sampled, not comparable token-wise
+    per_token_latency: dict[str, float] | None  # LATENCY_POINTS -> seconds/token; None: batch 1
     rank: int | None = None  # 1 = fastest; None: not ranked
 
     @property
@@ -109,13 +118,14 @@ def summarise(records: Sequence[RunRecord], methods: dict[str, str], greedy: boo
                 tokens_per_step=sum(r.new_tokens for r in rs) / max(1, sum(r.llm_steps for r in rs)),
                 draft_tokens_per_step=_per_step(rs, "draft_tokens"),
                 acceptance_rate=_acceptance(rs),
-                acceptance_rate_per_ssm=_acceptance_per_ssm(rs),
+                acceptance_rate_per_ssm=_acceptance_per_ssm(rs) if _have(rs, "proposed_per_ssm") else None,
                 accepted_at_least=accepted_at_least(rs),
                 time_split=_time_split(rs),
                 tokens_per_second=Spread.of(rates[name].values()),
                 speedup_vs_plain=_ratio(rates[name], rates[PLAIN]) if ok else None,
                 speedup_vs_hf_assisted=_ratio(rates[name], rates[best_hf]) if ok and best_hf else None,
                 identical_to_plain=identical[name],
+                per_token_latency=median_per_token_latency(rs),
             )
         )
     ranked = sorted((row for row in rows if row.ranked), key=lambda row: -row.speedup_vs_plain.median)
@@ -146,9 +156,37 @@ def _per_step(records: Sequence[RunRecord], name: str) -> float | None:
     return sum(values) / max(1, sum(r.llm_steps for r in records))
 
 
+def _have(records: Sequence[RunRecord], key: str) -> bool:
+    """Whether every record's stats hold `key` (plain and HF assisted runs keep no DecodeStats;
+    at batch > 1 plain keeps its rows' latencies alone)."""
+    return all(r.stats is not None and key in r.stats for r in records)
+
+
+def row_stats(latencies: Sequence[float], new_tokens: Sequence[int]) -> dict[str, list]:
+    """What a batch > 1 run keeps in its stats for the per-token latency: each row's latency
+    (seconds to its last token) and new tokens."""
+    return {ROW_LATENCIES: list(latencies), ROW_NEW_TOKENS: list(new_tokens)}
+
+
+def median_per_token_latency(records: Sequence[RunRecord]) -> dict[str, float] | None:
+    """Seconds per token of the first and last row to finish and the batch mean: per repeat the
+    mean over its batches, then the median over repeats. None: the records keep no row latencies."""
+    if not _have(records, ROW_LATENCIES):
+        return None
+    by_repeat: dict[int, list[dict[str, float]]] = defaultdict(list)
+    for r in records:
+        by_repeat[r.repeat].append(per_token_latency(r.stats[ROW_LATENCIES], r.stats[ROW_NEW_TOKENS]))
+    return {
+        point: statistics.median(
+            statistics.fmean(b[point] for b in batches) for batches in by_repeat.values()
+        )
+        for point in LATENCY_POINTS
+    }
+
+
 def accepted_at_least(records: Sequence[RunRecord]) -> list[float] | None:
     """[k - 1] = share of verification steps whose match length is >= k, for k = 1 .. the longest."""
-    if any(r.stats is None for r in records):
+    if not _have(records, "match_lengths"):
         return None
     lengths = [m for r in records for m in r.stats["match_lengths"]]
     if not lengths:
@@ -157,7 +195,7 @@ def accepted_at_least(records: Sequence[RunRecord]) -> list[float] | None:
 
 
 def _time_split(records: Sequence[RunRecord]) -> dict[str, float] | None:
-    if any(r.stats is None for r in records):
+    if not _have(records, "time_draft"):
         return None
     seconds = {phase: sum(r.stats[f"time_{phase}"] for r in records) for phase in PHASES}
     total = sum(seconds.values())
@@ -207,11 +245,20 @@ def _output(row: MethodRow) -> str:
     return {True: "same", False: "**DIFFERS**", None: "sampled"}[row.identical_to_plain]
 
 
+def _latency(row: MethodRow) -> str:
+    if row.per_token_latency is None:
+        return "-"
+    return " / ".join(f"{row.per_token_latency[p] * 1e3:.2f}" for p in LATENCY_POINTS)
+
+
 def markdown_table(table: Table) -> str:
-    """The headline table (categories together) and the speedup of every category."""
+    """The headline table (categories together) and the speedup of every category; at batch > 1
+    with the per-token latency."""
+    batched = table.batch_size > 1
+    latency_header = " | ms/token first / last / mean" if batched else ""
     header = (
         "| rank | method | tokens/step | drafted/step | acceptance | per SSM | draft/verify/other "
-        "| tokens/s | vs plain | vs HF assisted | output |"
+        f"| tokens/s{latency_header} | vs plain | vs HF assisted | output |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for row in sorted(table.rows, key=lambda r: (r.rank is None, r.rank or 0)):
@@ -226,6 +273,7 @@ def markdown_table(table: Table) -> str:
             per_ssm,
             split,
             f"{row.tokens_per_second.median:.1f}",
+            *([_latency(row)] if batched else []),
             _spread(row.speedup_vs_plain),
             _spread(row.speedup_vs_hf_assisted),
             _output(row),

@@ -18,6 +18,8 @@ from specboost.decoder.suite_report import (
     Spread,
     accepted_at_least,
     markdown_table,
+    median_per_token_latency,
+    row_stats,
     summarise,
     tables,
 )
@@ -248,3 +250,60 @@ def test_the_readme_gets_the_report_between_its_markers_only(tmp_path: Path) -> 
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="needs the lines"):
         update_readme(readme, report, Path("out"))
+
+
+# Per-token latency at batch > 1 (BASS, ALGORITHMS.md section 11) ---------------------------------
+BATCH_METHODS = {"plain": "llm.generate, batch of 2", "batched": "ours, one ragged batch"}
+
+
+def batch_records(
+    repeat: int, plain: float, batched: tuple[float, float], prompt: int = 0
+) -> list[RunRecord]:
+    """A batch of 2 rows: plain returns both after `plain` s, with 10 and 4 new tokens; batched
+    decoding finishes its rows (4 and 10 new tokens) after `batched` s."""
+    plain_run = hf("plain", repeat, plain, 20, 20)
+    plain_run.prompt_index, plain_run.stats = prompt, row_stats([plain, plain], [10, 4])
+    ours_run = ours("batched", repeat, max(batched), [3, 3, 3, 3, 1])  # 14 new tokens
+    ours_run.prompt_index = prompt
+    ours_run.stats |= row_stats(batched, [4, 10])
+    return [plain_run, ours_run]
+
+
+def test_per_token_latency_is_first_last_and_mean_per_batch_median_over_repeats() -> None:
+    rs = [
+        *batch_records(0, 1.0, (0.2, 0.6)),  # plain 0.1, 0.25 s/token; batched 0.05, 0.06
+        *batch_records(1, 1.2, (0.3, 0.5)),  # plain 0.12, 0.3; batched 0.075, 0.05
+        *batch_records(2, 0.8, (0.4, 0.8)),  # plain 0.08, 0.2; batched 0.1, 0.08
+    ]
+    rows = rows_by_name(summarise(rs, BATCH_METHODS, greedy=True))
+    # Plain's rows finish together: first/last = its lower/higher per-token latency.
+    assert rows["plain"].per_token_latency == pytest.approx({"first": 0.1, "last": 0.25, "mean": 0.175})
+    # Batched: first = the 4-token row (0.05, 0.075, 0.1), last = the 10-token row (0.06, 0.05, 0.08),
+    # mean 0.055, 0.0625, 0.09.
+    assert rows["batched"].per_token_latency == pytest.approx({"first": 0.075, "last": 0.06, "mean": 0.0625})
+    assert rows["plain"].time_split is None and rows["plain"].acceptance_rate_per_ssm is None
+    assert rows["batched"].time_split == pytest.approx({"draft": 0.2, "verify": 0.6, "other": 0.2})
+    # Batch 1 keeps no row latencies.
+    assert rows_by_name(summarise(records(), METHODS, greedy=True))["chain[0]"].per_token_latency is None
+
+
+def test_per_token_latency_of_a_repeat_is_the_mean_over_its_batches() -> None:
+    rs = batch_records(0, 1.0, (0.2, 0.6)) + batch_records(0, 2.0, (0.8, 2.0), prompt=1)
+    # Batched: the first batch 0.05 (first), 0.06 (last) s/token; the second 0.2 and 0.2.
+    latency = median_per_token_latency([r for r in rs if r.method == "batched"])
+    assert latency == pytest.approx({"first": 0.125, "last": 0.13, "mean": 0.1275})
+
+
+def test_only_batch_tables_show_the_per_token_latency() -> None:
+    batch_cell = CellRun(Cell("stories", "greedy", True, 2), BATCH_METHODS, batch_records(0, 1.0, (0.2, 0.6)))
+    single, batch = tables([cell_runs()[0], batch_cell])
+    single_header = markdown_table(single).splitlines()[0]
+    assert single_header == (
+        "| rank | method | tokens/step | drafted/step | acceptance | per SSM | draft/verify/other "
+        "| tokens/s | vs plain | vs HF assisted | output |"
+    )
+    lines = markdown_table(batch).splitlines()
+    assert "| tokens/s | ms/token first / last / mean | vs plain |" in lines[0]
+    assert lines[1] == "|" + "---|" * 12
+    assert any("`plain`" in line and "| 100.00 / 250.00 / 175.00 |" in line for line in lines)
+    assert any("`batched`" in line and "| 50.00 / 60.00 / 55.00 |" in line for line in lines)
