@@ -152,7 +152,7 @@ def _learned(
             "none given and none in the pool: using the fixed shape %r",
             inputs.shape,
         )
-        return PoolSpeculator(ssms, inputs.shape)
+        return _pool(llm, ssms, pool, inputs)
     cost = _cost_model(llm, pool, inputs)
     if cost is None:
         logger.warning(

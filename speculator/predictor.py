@@ -13,6 +13,7 @@ the SSMs, so that `SSMPool.from_pretrained` finds it).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,11 +111,17 @@ class MatchLengthPredictor(nn.Module):
         return predict_one
 
     def save_pretrained(self, folder: str | Path) -> None:
+        """Weights first, then the config that `has_predictor` looks for; each file is written to a
+        temporary name and renamed, so a killed save never leaves a half-written file."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, folder / WEIGHTS_FILE)
-        (folder / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        weights_tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
+        save_file(state, weights_tmp)
+        os.replace(weights_tmp, folder / WEIGHTS_FILE)
+        config_tmp = folder / f".{CONFIG_FILE}.tmp-{os.getpid()}"
+        config_tmp.write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        os.replace(config_tmp, folder / CONFIG_FILE)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> MatchLengthPredictor:

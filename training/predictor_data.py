@@ -212,7 +212,8 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
         if shard:
             write_shard(out, shard)
     bar.close()
-    rows = [r for r in read_shards(out) if r["id"] in {s["id"] for s in samples}]
+    wanted = {s["id"] for s in samples}
+    rows = [r for r in read_shards(out) if r["id"] in wanted]
     if not rows:
         raise ValueError(
             f"no usable positions in {config.distilled}: samples need at least {max(config.depths)} "
