@@ -140,3 +140,9 @@ def test_collect_refuses_other_settings_and_empty_data(setup, tmp_path: Path) ->
         collect(PredictorDataConfig(llm, (ssms[1],), distilled, depths=(32,)), tmp_path / "deep")
     with pytest.raises(FileNotFoundError, match="make predictor-data"):
         load_labels(tmp_path / "missing")
+
+
+def test_command_line_reports_bad_paths_without_a_traceback(tmp_path: Path, capsys) -> None:
+    argv = ["--llm", str(tmp_path / "no-llm"), "--ssm", str(tmp_path / "no-ssm")]
+    assert predictor_data.main([*argv, "--distilled", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no model found" in capsys.readouterr().err

@@ -224,3 +224,10 @@ def test_calibration_learns_that_the_predictor_overestimates() -> None:
         scheduler.observe(StepFeedback(tree, [], 1e-3))
     assert scheduler.choose(request()) == [None]
     assert scheduler.scale < 0.3
+
+
+def test_training_command_reports_missing_labels(tmp_path: Path, capsys) -> None:
+    from specboost.training.train_predictor import main
+
+    assert main(["--labels", str(tmp_path / "none"), "--out", str(tmp_path / "predictor")]) == 2
+    assert "make predictor-data" in capsys.readouterr().err

@@ -296,8 +296,12 @@ def held_out_ids(boost_dir: Path) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, out = parse_args(argv)
-    collect(config, out)
+    try:
+        config, out = parse_args(argv)
+        collect(config, out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -184,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     a = vars(p.parse_args(argv))
     labels, out = a.pop("labels"), a.pop("out")
-    train_predictor(labels, out, TrainPredictorConfig(**a))
+    try:
+        train_predictor(labels, out, TrainPredictorConfig(**a))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
