@@ -19,7 +19,7 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     steps = fixture_steps("small", tmp_path, threads=2)
     assert [s.name for s in steps] == [
         "reference-llm",
-        "distill-tinystories_openings",
+        "distill-tinystories_train_openings",
         "boost",
         "distill-gutenberg_openings",
         "predictor-data",
@@ -34,6 +34,11 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     cache = tmp_path / "bench-fixture" / "small"
     assert all(cache in s.output.parents for s in steps[1:])
     assert steps[6].argv[-2:] == ("--threads", "2")  # profiled under the suite's threads
+    rebuilt = fixture_steps("small", tmp_path, threads=2, build_threads=3)
+    for before, after in zip(steps, rebuilt, strict=True):
+        assert before.argv == after.argv  # training threads change speed only: same identity
+        if before.name in ("reference-llm", "boost", "predictor-data", "sequoia-acceptance"):
+            assert "--threads" not in after.argv and after.speed_args == ("--threads", "3")
 
 
 def fake_steps(tmp_path: Path) -> list[Step]:
@@ -127,3 +132,17 @@ def test_bench_suite_dry_run_lists_the_fixture_steps(tmp_path: Path, capsys: pyt
     out = capsys.readouterr().out
     assert "[fixture tiny] reference-llm: to build:" in out and "export: to build:" in out
     assert not (tmp_path / "bench-fixture").exists()
+
+
+def test_steps_after_boost_use_the_ssms_the_boost_run_produced(tmp_path: Path) -> None:
+    """Boost-tuning stops early when every training sample is reproduced: the later steps must
+    name only the SSMs that exist (a build once failed on a missing ssm-2)."""
+    pool = tmp_path / "bench-fixture" / "small" / "pool"
+    planned = fixture_steps("small", tmp_path, threads=1)
+    assert sum(a.endswith("ssm-2") for a in planned[4].argv) == 1  # before the run: as planned
+    pool.mkdir(parents=True)
+    (pool / "boost_record.json").write_text(json.dumps({"rounds": [{"ssm": 0}, {"ssm": 1}]}))
+    steps = {s.name: s for s in fixture_steps("small", tmp_path, threads=1)}
+    for name in ("predictor-data", "profile", "sequoia-acceptance"):
+        named = [a for a in steps[name].argv if a.startswith(str(pool / "ssm-"))]
+        assert named == [str(pool / "ssm-0"), str(pool / "ssm-1")], name

@@ -366,6 +366,7 @@ BUNDLED_PROMPT_SETS: dict[str, tuple[str, dict[str, str]]] = {
         {"prompt_template": "{instruction}\n\n{instances[0][input]}"},
     ),
     "tinystories_openings": ("tinystories_openings.txt", {}),
+    "tinystories_train_openings": ("tinystories_train_openings.txt", {}),
     "gutenberg_openings": ("gutenberg_openings.txt", {}),
 }
 
