@@ -86,6 +86,7 @@ class MethodRow:
     speedup_vs_hf_assisted: Spread | None  # vs the fastest HF assisted method; None without one
     identical_to_plain: bool | None  # None: sampled, not comparable token-wise
     per_token_latency: dict[str, float] | None  # LATENCY_POINTS -> seconds/token; None: batch 1
+    decision_share: float | None = None  # a scheduler's decision time / the method's wall time
     rank: int | None = None  # 1 = fastest; None: not ranked
 
     @property
@@ -126,6 +127,7 @@ def summarise(records: Sequence[RunRecord], methods: dict[str, str], greedy: boo
                 speedup_vs_hf_assisted=_ratio(rates[name], rates[best_hf]) if ok and best_hf else None,
                 identical_to_plain=identical[name],
                 per_token_latency=median_per_token_latency(rs),
+                decision_share=decision_share(rs),
             )
         )
     ranked = sorted((row for row in rows if row.ranked), key=lambda row: -row.speedup_vs_plain.median)
@@ -192,6 +194,15 @@ def accepted_at_least(records: Sequence[RunRecord]) -> list[float] | None:
     if not lengths:
         return []
     return [sum(m >= k for m in lengths) / len(lengths) for k in range(1, max(lengths) + 1)]
+
+
+def decision_share(records: Sequence[RunRecord]) -> float | None:
+    """The share of the method's wall time its scheduler spent deciding the speculation shape
+    (the learned scheduler's `decision_seconds`, ALGORITHMS.md section 5); None without one."""
+    if not records or not all(r.stats and "decision_seconds" in r.stats.get("strategy", {}) for r in records):
+        return None
+    seconds = sum(r.seconds for r in records)
+    return sum(r.stats["strategy"]["decision_seconds"] for r in records) / seconds if seconds else 0.0
 
 
 def _time_split(records: Sequence[RunRecord]) -> dict[str, float] | None:
@@ -279,6 +290,11 @@ def markdown_table(table: Table) -> str:
             _output(row),
         )
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        f"\n`{row.method}`: its scheduler's decisions took {row.decision_share:.1%} of its wall time."
+        for row in table.rows
+        if row.decision_share is not None
+    ]
     categories = list(table.per_category)
     lines += ["", "Speedup vs plain per category (median over repeats):", ""]
     lines.append("| method | " + " | ".join(categories) + " |")

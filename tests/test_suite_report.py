@@ -160,6 +160,18 @@ def test_time_split_sums_the_decoders_phases() -> None:
     assert split == pytest.approx({"draft": 0.2, "verify": 0.6, "other": 0.2})
 
 
+def test_the_schedulers_decision_share_is_over_the_methods_wall_time() -> None:
+    timed = records()
+    for r in timed:
+        if r.method == "chain[0]":
+            r.stats["strategy"] = {"decision_seconds": r.seconds / 40}
+    rows = rows_by_name(summarise(timed, METHODS, greedy=True))
+    assert rows["chain[0]"].decision_share == pytest.approx(0.025)
+    assert rows["plain"].decision_share is None and rows["hf_assisted[0]"].decision_share is None
+    table = tables([CellRun(Cell("stories", "greedy", True, 1), METHODS, timed)])[0]
+    assert "`chain[0]`: its scheduler's decisions took 2.5% of its wall time." in markdown_table(table)
+
+
 def test_every_method_needs_records() -> None:
     with pytest.raises(ValueError, match="no records"):
         summarise([r for r in records() if r.method != "chain[0]"], METHODS, greedy=True)
