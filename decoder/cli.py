@@ -57,7 +57,9 @@ def _topology(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(level) for level in levels)
 
 
-def _add_model_options(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def _add_model_options(parser: argparse.ArgumentParser, required: bool = True, defaults: bool = True) -> None:
+    """--llm, --ssm, --tokenizer, --dtype, --device; without `defaults` an unset --dtype or --device
+    stays None, so that the command can tell it from one given (bench: the suite's own settings)."""
     parser.add_argument(
         "--llm",
         required=required,
@@ -79,16 +81,23 @@ def _add_model_options(parser: argparse.ArgumentParser, required: bool = True) -
         "--tokenizer", type=Path, metavar="PATH", help="tokenizer folder (default: the LLM's)"
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (default: float32)"
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32" if defaults else None,
+        help="model dtype (default: float32)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ... (default: cpu)")
+    parser.add_argument(
+        "--device",
+        default="cpu" if defaults else None,
+        help="torch device: cpu, cuda, cuda:1 ... (default: cpu)",
+    )
 
 
-def _add_topology_option(parser: argparse._ActionsContainer, used_by: str) -> None:
+def _add_topology_option(parser: argparse._ActionsContainer, used_by: str, defaults: bool = True) -> None:
     parser.add_argument(
         "--topology-children",
         type=_topology,
-        default=DEFAULT_TOPOLOGY,
+        default=DEFAULT_TOPOLOGY if defaults else None,
         metavar="JSON",
         help=f"tree for {used_by}: children counts per level as JSON (default: {_TOPOLOGY_TEXT})",
     )
@@ -233,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare our modes with plain and HF assisted generation on a prompt file (greedy), or run "
         "the benchmark suite (--suite)",
     )
-    _add_model_options(bench, required=False)
+    # Unset options stay None: the plain bench takes BenchConfig's defaults, the suite its own settings.
+    _add_model_options(bench, required=False, defaults=False)
     bench.add_argument(
         "--prompts", type=Path, metavar="FILE", help=".txt (one prompt per line) or .jsonl file"
     )
@@ -242,41 +252,31 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="DIR",
         help="folder to write bench.json into (with --suite: the report folder, default "
-        "ARTIFACTS/bench-suite/<fixture>)",
+        "ARTIFACTS/bench-suite/<fixture, or the --llm folder's name>)",
     )
     _add_suite_options(bench)
+    bench.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens per prompt (default: 64)")
     bench.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens per prompt (default: 64)"
+        "--repeats", type=int, metavar="N", help="timed runs per method and prompt (default: 3)"
     )
-    bench.add_argument(
-        "--repeats", type=int, default=3, metavar="N", help="timed runs per method and prompt (default: 3)"
-    )
-    bench.add_argument(
-        "--warmup", type=int, default=1, metavar="N", help="untimed runs per method first (default: 1)"
-    )
+    bench.add_argument("--warmup", type=int, metavar="N", help="untimed runs per method first (default: 1)")
     bench.add_argument("--max-prompts", type=int, metavar="N", help="use only the first N prompts")
     bench.add_argument(
         "--methods",
         nargs="+",
         choices=ALL_METHODS,
-        default=list(ALL_METHODS),
         metavar="METHOD",
         help=f"method families to run, from {', '.join(ALL_METHODS)}; plain always runs (default: all)",
     )
     bench.add_argument(
         "--chain-length",
         type=int,
-        default=4,
         metavar="L",
         help="chain length for chain, stairs, pool_chain (default: 4)",
     )
-    bench.add_argument(
-        "--beam-width", type=int, default=2, metavar="W", help="beam width for pool_beam (default: 2)"
-    )
-    bench.add_argument(
-        "--beam-depth", type=int, default=4, metavar="D", help="beam depth for pool_beam (default: 4)"
-    )
-    _add_topology_option(bench, "pool_topology")
+    bench.add_argument("--beam-width", type=int, metavar="W", help="beam width for pool_beam (default: 2)")
+    bench.add_argument("--beam-depth", type=int, metavar="D", help="beam depth for pool_beam (default: 4)")
+    _add_topology_option(bench, "pool_topology", defaults=False)
     bench.add_argument(
         "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default)"
     )
@@ -285,8 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_suite_options(bench: argparse.ArgumentParser) -> None:
     suite = bench.add_argument_group(
-        "benchmark suite (--suite: builds its own fixture; --llm, --ssm, --prompts and the options above "
-        "are not used)"
+        "benchmark suite",
+        "--suite runs every method on its fixture's models, or on --llm with --pool. --max-new-tokens, "
+        "--repeats, --warmup, --threads, --dtype, --device, --chain-length, --beam-width and --beam-depth "
+        "override the suite's settings; --ssm, --tokenizer, --prompts, --max-prompts, --methods and "
+        "--topology-children are refused.",
     )
     suite.add_argument(
         "--suite",
@@ -295,6 +298,12 @@ def _add_suite_options(bench: argparse.ArgumentParser) -> None:
         "settings",
     )
     suite.add_argument("--fixture", choices=sorted(FIXTURES), help="override the suite's fixture")
+    suite.add_argument(
+        "--pool",
+        metavar="FOLDER|ID",
+        help="with --llm: benchmark that LLM and this pool exported for it (make export) instead of the "
+        "fixture; the learned scheduler and Sequoia run when the pool ships their files",
+    )
     suite.add_argument(
         "--spec-bench", type=Path, metavar="FILE", help="a Spec-Bench question file (JSONL) as the workloads"
     )
@@ -411,24 +420,17 @@ def profile_command(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     if args.suite is not None:
         return bench_suite(args)
+    options = ("max_new_tokens", "repeats", "warmup", *SHAPE_OPTIONS, "topology_children", "dtype", "device")
     config = BenchConfig(
         llm=args.llm,
         ssms=args.ssms,
         prompts=args.prompts,
         out=args.out,
         tokenizer=args.tokenizer,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        warmup=args.warmup,
         max_prompts=args.max_prompts,
-        methods=tuple(args.methods),
-        chain_length=args.chain_length,
-        beam_width=args.beam_width,
-        beam_depth=args.beam_depth,
-        topology_children=args.topology_children,
-        dtype=args.dtype,
-        device=args.device,
         threads=args.threads,
+        **({"methods": tuple(args.methods)} if args.methods else {}),
+        **_given(args, options),
     )
     report = run_bench(config, log=lambda line: print(line, file=sys.stderr))
     m = report.machine
@@ -445,17 +447,63 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, object]:
+    """The options of `names` that were given on the command line (unset ones are None)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+# bench's options that --suite maps onto its settings (SuiteConfig fields, Shapes fields) or refuses
+SUITE_OPTIONS = ("max_new_tokens", "repeats", "warmup", "threads", "dtype", "device")
+SHAPE_OPTIONS = ("chain_length", "beam_width", "beam_depth")
+NOT_WITH_SUITE = {
+    "ssms": "--ssm",
+    "tokenizer": "--tokenizer",
+    "prompts": "--prompts",
+    "max_prompts": "--max-prompts",
+    "methods": "--methods",
+    "topology_children": "--topology-children",
+}
+
+
+def suite_usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with this combination of bench options, or None."""
+    if args.suite is None:
+        if args.pool is not None:
+            return "--pool is a benchmark-suite option: add --suite NAME|FILE, or give SSM folders with --ssm"
+        options = {"llm": "--llm", "ssms": "--ssm", "prompts": "--prompts", "out": "--out"}
+        missing = [option for name, option in options.items() if getattr(args, name) is None]
+        return f"bench needs {', '.join(missing)} (or --suite)" if missing else None
+    refused = [option for name, option in NOT_WITH_SUITE.items() if getattr(args, name) is not None]
+    if refused:
+        return (
+            f"{', '.join(refused)} cannot be used with --suite: the suite runs every method on its "
+            "workloads (give questions with --spec-bench FILE, other settings in a suite JSON file), "
+            "and its pool is an exported one (--pool)"
+        )
+    if (args.llm is None) != (args.pool is None):
+        return "--suite with your own models needs both --llm and --pool (a pool exported for that LLM)"
+    if args.llm is not None and args.fixture is not None:
+        return "--fixture and --llm/--pool both choose the suite's models: give one of them"
+    return None
+
+
 def bench_suite(args: argparse.Namespace) -> int:
     config = resolve_suite(args.suite)
     config = replace(
         config,
         fixture=args.fixture or config.fixture,
         spec_bench=str(args.spec_bench) if args.spec_bench else config.spec_bench,
+        shapes=replace(config.shapes, **_given(args, SHAPE_OPTIONS)),
+        **_given(args, SUITE_OPTIONS),
+        **({"llm": str(args.llm), "pool": args.pool} if args.llm is not None else {}),
     )
     if args.dry_run:
-        build_fixture(config.fixture, args.artifacts, config.threads, dry_run=True)
+        if config.llm is not None:
+            print(f"no fixture to build: the suite would run on {config.llm} with the pool {config.pool}")
+        else:
+            build_fixture(config.fixture, args.artifacts, config.threads, dry_run=True)
         return 0
-    out = args.out or args.artifacts / "bench-suite" / config.fixture
+    out = args.out or args.artifacts / "bench-suite" / config.name
     report = run_and_write(
         config, out, args.artifacts, args.readme, log=lambda line: print(line, file=sys.stderr)
     )
@@ -476,13 +524,10 @@ def bench_suite(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench" and args.suite is None:
-        options = {"llm": "--llm", "ssms": "--ssm", "prompts": "--prompts", "out": "--out"}
-        missing = [option for name, option in options.items() if getattr(args, name) is None]
-        if missing:
-            parser.error(f"bench needs {', '.join(missing)} (or --suite)")
+    if args.command == "bench" and (problem := suite_usage_error(args)) is not None:
+        parser.error(problem)
     try:
-        models = [] if args.llm is None else [args.llm, *args.ssms]  # none with --suite
+        models = [] if args.llm is None else [args.llm, *(args.ssms or [])]  # --suite: no --ssm
         for path in models:  # fail fast, before anything loads
             check_model_path(path)
         commands = {"generate": generate, "profile": profile_command, "bench": bench}

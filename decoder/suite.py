@@ -4,9 +4,11 @@ on bundled held-out workloads, with a JSON record, a Markdown report and plots.
     specboost bench --suite default                  # = make bench (the `small` fixture)
     specboost bench --suite quick                    # the `tiny` fixture, a few prompts: minutes
     specboost bench --suite my_suite.json --spec-bench question.jsonl --out DIR
+    specboost bench --suite default --llm MY_LLM --pool MY_POOL_EXPORT   # your own models
 
-1. The fixture (`suite_fixture`): the reference LLM, distilled data, boosted pool, predictor,
-   hardware profile and export, built once into ARTIFACTS/bench-fixture/<fixture>.
+1. The models: the fixture (`suite_fixture`: the reference LLM, distilled data, boosted pool,
+   predictor, hardware profile and export, built once into ARTIFACTS/bench-fixture/<fixture>),
+   or a given LLM and exported pool (`make export`; no fixture is built).
 2. Workloads (`suite_workloads`): held-out prompts of the bundled sets by category, or a
    Spec-Bench question file by its categories; fixed max_new_tokens; greedy and one sampling
    setting with a fixed seed; batch sizes 1 and 8.
@@ -31,7 +33,7 @@ import torch
 
 from specboost.decoder.bench import GREEDY, Decoding, machine_info, measure
 from specboost.decoder.suite_fixture import FIXTURES, FixtureBuild, build_fixture
-from specboost.decoder.suite_methods import FixtureModels, Shapes, build_methods
+from specboost.decoder.suite_methods import Shapes, SuiteModels, build_methods
 from specboost.decoder.suite_plots import (
     plot_acceptance_by_position,
     plot_speedup,
@@ -54,7 +56,9 @@ README_MARKERS = ("<!-- bench-suite: begin -->", "<!-- bench-suite: end -->")
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    fixture: str = "small"  # suite_fixture.FIXTURES
+    fixture: str = "small"  # suite_fixture.FIXTURES (unused when `llm` and `pool` are given)
+    llm: str | None = None  # with `pool`: benchmark this LLM (folder or hub id) instead of the fixture's
+    pool: str | None = None  # an exported pool for `llm` (folder or hub id; SSMPool.from_pretrained)
     categories: tuple[str, ...] = tuple(CATEGORIES)  # bundled categories (ignored with spec_bench)
     spec_bench: str | None = None  # a Spec-Bench question file: its categories are the workloads
     prompts_per_category: int = 4  # at batch size b: ceil(prompts_per_category / b) batches of b
@@ -81,6 +85,16 @@ class SuiteConfig:
             )
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if (self.llm is None) != (self.pool is None):
+            raise ValueError(
+                "give both llm and pool (a pool exported for that LLM by `make export`) to benchmark "
+                "your own models, or neither to benchmark the fixture"
+            )
+
+    @property
+    def name(self) -> str:
+        """The report folder's name: the fixture's, or the given LLM's."""
+        return self.fixture if self.llm is None else Path(self.llm).name
 
     @classmethod
     def from_json(cls, path: Path) -> SuiteConfig:
@@ -120,7 +134,7 @@ class SuiteReport:
     config: SuiteConfig
     machine: dict[str, Any]
     models: dict[str, Any]  # paths and parameter counts
-    fixture: FixtureBuild
+    fixture: FixtureBuild | None  # None: the config's own llm and pool
     runs: list[CellRun] = field(repr=False)
     skipped: dict[str, dict[str, str]]  # "<decoding>, batch <b>" -> method -> why it did not run
     seconds: float = 0.0  # wall time of the whole suite, fixture included
@@ -133,7 +147,7 @@ class SuiteReport:
             "config": asdict(self.config),
             "machine": self.machine,
             "models": self.models,
-            "fixture": asdict(self.fixture),
+            "fixture": None if self.fixture is None else asdict(self.fixture),
             "seconds": self.seconds,
             "skipped": self.skipped,
             "tables": [asdict(t) for t in self.tables()],
@@ -152,13 +166,18 @@ def workloads_of(config: SuiteConfig) -> list[Workload]:
 def run_suite(
     config: SuiteConfig, artifacts: Path = Path("artifacts"), log: Callable[[str], None] = print
 ) -> SuiteReport:
-    """Build (or reuse) the fixture, then run every cell: batch size x decoding x category."""
+    """Build (or reuse) the fixture unless the config names its own models, then run every cell:
+    batch size x decoding x category."""
     start = time.perf_counter()
-    build = build_fixture(config.fixture, artifacts, config.threads, log=log)
+    if config.llm is not None:
+        build, llm, pool = None, config.llm, config.pool
+    else:
+        build = build_fixture(config.fixture, artifacts, config.threads, log=log)
+        llm, pool = build.paths.llm, build.paths.export
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
-        models = FixtureModels.load(build.paths.llm, build.paths.export, config.dtype, config.device)
+        models = SuiteModels.load(llm, pool, config.dtype, config.device)
         workloads = workloads_of(config)
         machine = machine_info(config) | {"load_average": os.getloadavg()[0]}  # under the suite's threads
         runs, skipped = [], {}
@@ -170,11 +189,7 @@ def run_suite(
                 )
     finally:
         torch.set_num_threads(previous_threads)
-    model_info = {
-        "llm": str(build.paths.llm),
-        "pool": str(build.paths.export),
-        "parameters": models.parameters(),
-    }
+    model_info = {"llm": str(llm), "pool": str(pool), "parameters": models.parameters()}
     report = SuiteReport(config, machine, model_info, build, runs, skipped)
     report.seconds = time.perf_counter() - start
     return report
@@ -182,7 +197,7 @@ def run_suite(
 
 def _run_cells(
     config: SuiteConfig,
-    models: FixtureModels,
+    models: SuiteModels,
     workloads: list[Workload],
     decoding: Decoding,
     batch_size: int,
@@ -230,7 +245,9 @@ def machine_line(machine: dict[str, Any]) -> str:
     )
 
 
-def fixture_line(build: FixtureBuild) -> str:
+def fixture_line(build: FixtureBuild | None) -> str:
+    if build is None:
+        return "no fixture: the models were given"
     first_build = sum(step.seconds for step in build.steps) / 60
     if all(step.cached for step in build.steps):
         return f"fixture cached (its first build took {first_build:.1f} min)"
@@ -250,7 +267,8 @@ def markdown_report(report: SuiteReport, level: int = 1) -> str:
         "",
         f"**Machine:** {machine_line(report.machine)}.",
         "",
-        f"Fixture `{c.fixture}`: LLM `{report.models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), "
+        f"{'Models given' if report.fixture is None else f'Fixture `{c.fixture}`'}: "
+        f"LLM `{report.models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), "
         f"pool `{report.models['pool']}` ({len(params['ssms'])} SSMs: {ssm_params}). "
         f"Workloads: {categories}; {c.prompts_per_category} {source} prompts per category, "
         f"{c.max_new_tokens} new tokens; {c.repeats} repeats after {c.warmup} warm-up, methods interleaved. "

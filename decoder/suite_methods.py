@@ -1,4 +1,4 @@
-"""The benchmark suite's methods, built on the fixture's LLM and exported pool.
+"""The benchmark suite's methods, built on an LLM and its exported pool (the fixture's, or given).
 
 Batch size 1: plain `llm.generate`; Hugging Face assisted generation with each single SSM; our
 chain with each single SSM; Stairs validation (greedy only); the pool's merged trees (SpecInfer:
@@ -57,14 +57,16 @@ BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one 
 
 
 @dataclass
-class FixtureModels:
+class SuiteModels:
+    """The LLM, its tokenizer and the exported SSM pool every method of the suite runs on."""
+
     llm: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     pool: SSMPool
     counter: ForwardCounter  # the LLM's forward passes, for plain and HF assisted generation
 
     @classmethod
-    def load(cls, llm_path: Path, pool_path: Path, dtype: str, device: str) -> FixtureModels:
+    def load(cls, llm_path: str | Path, pool_path: str | Path, dtype: str, device: str) -> SuiteModels:
         llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=DTYPES[dtype]).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(llm_path)
         pool = SSMPool.from_pretrained(pool_path, device=device, dtype=DTYPES[dtype])
@@ -92,7 +94,7 @@ class MethodSet:
 
 
 def build_methods(
-    models: FixtureModels,
+    models: SuiteModels,
     decoding: Decoding,
     batch_size: int,
     max_new: int,
@@ -118,7 +120,7 @@ def build_methods(
 
 
 def _candidates(
-    models: FixtureModels, decoding: Decoding, batch_size: int, max_new: int, shapes: Shapes
+    models: SuiteModels, decoding: Decoding, batch_size: int, max_new: int, shapes: Shapes
 ) -> dict[str, Callable[[], Method]]:
     llm, pool, tok = models.llm, models.pool, models.tokenizer
     chain = ChainShape(shapes.chain_length)
@@ -185,8 +187,23 @@ def _candidates(
             description += f', length_controller="{ADAPTIVE_LENGTH}"'
             out[name] = ours(name, description, everyone, length_controller=ADAPTIVE_LENGTH, **kwargs)
     description = "learned scheduler (the pool's predictor and hardware profile)"
-    out["learned"] = ours("learned", description, everyone, strategy="learned")
+    out["learned"] = _with_predictor(ours("learned", description, everyone, strategy="learned"), pool)
     return out
+
+
+def _with_predictor(make: Callable[[], Method], pool: SSMPool) -> Callable[[], Method]:
+    """The learned scheduler's row, refused for a pool without a predictor: strategy="learned"
+    would fall back to the fixed shape and the row would measure another method under its name."""
+
+    def checked() -> Method:
+        if pool.predictor is None:
+            raise ValueError(
+                "the pool ships no match-length predictor (`make predictor`, then `make export`), so "
+                'strategy="learned" would run the fixed shape'
+            )
+        return make()
+
+    return checked
 
 
 def _batched_method(

@@ -1,0 +1,154 @@
+"""The benchmark suite end to end (decoder/suite.py, suite_methods.py) on the tiny stand-in models:
+`specboost bench --suite FILE --llm LLM --pool POOL` runs every method of every cell on a pool
+exported with a predictor, a hardware profile of this machine and Sequoia vectors, and writes the
+report; the options that make no sense with --suite are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_export_pool import make_boost
+from transformers import AutoModelForCausalLM
+
+from specboost.decoder.bench import GREEDY
+from specboost.decoder.cli import main
+from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.suite import SuiteConfig
+from specboost.decoder.suite_methods import Shapes, SuiteModels, build_methods
+from specboost.decoder.suite_workloads import Prompt, encode_batches
+from specboost.decoder.tiny_models import build_tiny_models
+from specboost.speculator.cost_model import PROFILE_FILE, save_cost_model
+from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
+from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
+from specboost.training import export
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(LLM folder, exported pool with a predictor, this machine's profile and Sequoia vectors)."""
+    root = tmp_path_factory.mktemp("suite")
+    llm_dir, ssm_dirs = build_tiny_models(root / "tiny")
+    boost = make_boost(root, (llm_dir, ssm_dirs))
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    ssms = [AutoModelForCausalLM.from_pretrained(d).eval() for d in ssm_dirs]
+    config = ProfileConfig(verify_sizes=(1, 8, 32), prefix_length=8, repeats=1)
+    save_cost_model(profile(llm, ssms, config, show_progress=False), boost / PROFILE_FILE)
+    torch.manual_seed(0)
+    predictor = MatchLengthPredictor(PredictorConfig(input_size=llm.config.hidden_size, num_ssms=len(ssms)))
+    predictor.save_pretrained(boost / "predictor")
+    vectors = [AcceptanceVector((0.7, 0.2), "greedy", 10), AcceptanceVector((0.5, 0.3), "greedy", 10)]
+    save_acceptance_file(vectors, boost / ACCEPTANCE_FILE)
+    export.export_pool(boost, root / "pool")
+    return llm_dir, root / "pool"
+
+
+def test_the_suite_runs_every_method_on_given_models(
+    models: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llm, pool = models
+    settings = {
+        "categories": ["qa", "math"],
+        "prompts_per_category": 2,
+        "max_prompt_tokens": 24,
+        "batch_sizes": [1, 2],
+        "repeats": 1,
+        "warmup": 0,
+    }
+    suite_file = tmp_path / "suite.json"
+    suite_file.write_text(json.dumps(settings))
+    out = tmp_path / "report"
+    argv = ["bench", "--suite", str(suite_file), "--llm", str(llm), "--pool", str(pool), "--out", str(out)]
+    assert main([*argv, "--max-new-tokens", str(MAX_NEW), "--chain-length", "3"]) == 0
+    assert "Models given: LLM" in capsys.readouterr().out
+
+    record = json.loads((out / "suite.json").read_text())
+    config = record["config"]
+    assert (config["llm"], config["pool"], record["fixture"]) == (str(llm), str(pool), None)
+    assert config["max_new_tokens"] == MAX_NEW and config["shapes"]["chain_length"] == 3  # overrides
+    assert config["categories"] == ["qa", "math"]  # the file's settings
+    titles = [t["decoding"] + f", batch {t['batch_size']}" for t in record["tables"]]
+    assert titles == [
+        "greedy, batch 1",
+        "sample(T=0.8, top_p=1), batch 1",
+        "greedy, batch 2",
+        "sample(T=0.8, top_p=1), batch 2",
+    ]
+    greedy_1 = {row["method"]: row for row in record["tables"][0]["rows"]}
+    assert set(greedy_1) == {
+        "plain", "hf_assisted[0]", "hf_assisted[1]", "chain[0]", "chain[1]", "stairs[0]", "pool_chain",
+        "pool_beam", "majority", "majority+adaptive", "pruned", "sequoia", "learned",
+    }  # fmt: skip
+    assert {row["method"] for row in record["tables"][2]["rows"]} == {"plain", "batched", "engine"}
+    for table in record["tables"]:
+        assert set(table["per_category"]) == {"qa", "math"}
+        for row in table["rows"]:
+            assert row["identical_to_plain"] is (True if table["decoding"] == "greedy" else None), row
+            assert row["rank"] is not None
+    assert greedy_1["learned"]["decision_share"] is not None  # it ran with the pool's predictor
+    assert greedy_1["chain[0]"]["draft_tokens_per_step"] <= 3  # --chain-length 3
+    assert greedy_1["plain"]["tokens_per_step"] == 1.0
+    runs = [r for cell in record["runs"] for r in cell["records"]]
+    assert runs and all(0 < r["new_tokens"] <= MAX_NEW * 2 for r in runs)  # batch 2: two rows
+    assert record["skipped"]["sample(T=0.8, top_p=1), batch 1"] == {
+        "stairs[0]": "ValueError: verification='stairs' is a greedy baseline; use do_sample=False"
+    }
+    report = (out / "report.md").read_text()
+    assert (
+        report.index("**Machine:**") < report.index("Models given: LLM") < report.index("## greedy, batch 1")
+    )
+    for plot in ("speedup.png", "tokens_per_step_vs_tree_size.png", "acceptance_by_position.png"):
+        assert (out / plot).stat().st_size > 0
+    assert (out / "ssm_weights.png").is_file()  # majority ran: its weights over time
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--suite", "quick", "--prompts", "p.txt"], "--prompts cannot be used with --suite"),
+        (["--suite", "quick", "--ssm", "a", "--methods", "chain"], "--ssm, --methods cannot be used with"),
+        (["--suite", "quick", "--llm", "x"], "needs both --llm and --pool"),
+        (["--suite", "quick", "--pool", "x"], "needs both --llm and --pool"),
+        (["--suite", "quick", "--llm", "x", "--pool", "y", "--fixture", "tiny"], "give one of them"),
+        (["--llm", "x", "--ssm", "y", "--prompts", "p", "--out", "o", "--pool", "z"], "add --suite"),
+    ],
+)
+def test_options_that_do_not_fit_the_suite_are_refused(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *options])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_suite_names_its_models_both_or_neither() -> None:
+    assert SuiteConfig().name == "small" and SuiteConfig(llm="models/my-llm", pool="p").name == "my-llm"
+    with pytest.raises(ValueError, match="give both llm and pool"):
+        SuiteConfig(llm="models/my-llm")
+
+
+def test_a_dry_run_with_given_models_builds_no_fixture(
+    models: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llm, pool = models
+    argv = ["bench", "--suite", "quick", "--llm", str(llm), "--pool", str(pool), "--artifacts", str(tmp_path)]
+    assert main([*argv, "--dry-run"]) == 0
+    assert "no fixture to build" in capsys.readouterr().out and not (tmp_path / "bench-fixture").exists()
+
+
+def test_methods_a_bare_pool_cannot_run_are_skipped_with_the_reason(tmp_path: Path) -> None:
+    """A pool without predictor, profile or Sequoia vectors: `learned` would silently run the fixed
+    shape under its name (a bug: it was measured as `learned`), so it is not run; neither is Sequoia."""
+    llm_dir, ssm_dirs = build_tiny_models(tmp_path / "tiny")
+    export.export_pool(make_boost(tmp_path, (llm_dir, ssm_dirs)), tmp_path / "pool")
+    models = SuiteModels.load(llm_dir, tmp_path / "pool", "float32", "cpu")
+    probe = encode_batches([Prompt("Once upon a time", "test", 0)], models.tokenizer, 1, 16)[0]
+    method_set = build_methods(models, GREEDY, 1, 4, Shapes(), probe)
+    assert set(method_set.skipped) == {"learned", "sequoia"}
+    assert "no match-length predictor" in method_set.skipped["learned"]
+    assert "pool_chain" in {m.name for m in method_set.methods}
