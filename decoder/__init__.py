@@ -1,4 +1,7 @@
-"""Lossless speculative decoding with a pool of SSMs: `SpeculativeDecoder`."""
+"""Lossless speculative decoding with a pool of SSMs: `SpeculativeDecoder`.
+
+Sections cited as "ALGORITHMS.md section N" are those of docs/ALGORITHMS.md in the repository.
+"""
 
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SSMPool

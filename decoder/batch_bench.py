@@ -353,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         out=args.out,
     )
-    report = run_bench(config)
+    try:
+        report = run_bench(config)
+    except (FileNotFoundError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(markdown(report))
     identical = all(m["identical"] for row in report["summary"] for m in row["methods"].values())
     return 0 if identical else 1

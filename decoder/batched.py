@@ -23,10 +23,12 @@ import torch
 from transformers import GenerationConfig
 
 from specboost.decoder.batch_drafting import batch_length_controller, make_drafting
-from specboost.decoder.decoder import _record_step
-from specboost.decoder.sequence import SequenceState, check_options, new_sequence
+from specboost.decoder.decoder import record_step
+from specboost.decoder.sequence import SequenceState, new_sequence
 from specboost.decoder.stats import DecodeStats, PhaseTimer, per_token_latency
-from specboost.decoder.verify import RULES, Rule, Verdict, verify_greedy
+from specboost.decoder.validation import check_generate_arguments, output_vocab_size
+from specboost.decoder.verifiers import TreeVerifier
+from specboost.decoder.verify import Verdict, apply_rule
 from specboost.speculator.ragged import RaggedCache, chain_batch
 from specboost.speculator.tree import TreeBatch
 
@@ -59,6 +61,10 @@ class SequenceGroup:
     LLM reads their prompts at the start of their first verification."""
 
     def __init__(self, decoder: SpeculativeDecoder, config: BatchConfig | None = None) -> None:
+        if not isinstance(decoder.verifier, TreeVerifier):
+            raise ValueError(
+                "batched decoding verifies with tree attention; verification='stairs' is for one sequence"
+            )
         config = config or BatchConfig()
         speculator = decoder.speculator
         self.llm = decoder.llm
@@ -129,7 +135,7 @@ class SequenceGroup:
             for b, (row, verdict) in enumerate(zip(self.rows, verdicts, strict=True)):
                 emitted = [row.tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
                 row.tokens.extend(row.stop.extend(emitted))
-                _record_step(row.stats, row.tree, verdict.accepted)
+                record_step(row.stats, row.tree, verdict.accepted)
                 row.stats.time_verify += seconds
                 if self.keep_hidden:
                     row.hidden = out.hidden[b, verdict.accepted[-1] if verdict.accepted else 0]
@@ -161,9 +167,7 @@ class SequenceGroup:
     @staticmethod
     def _judge(row: SequenceState, logits: torch.Tensor) -> Verdict:
         """The row's verification rule on its tree (ALGORITHMS.md section 2)."""
-        if row.rule is Rule.GREEDY:
-            return verify_greedy(row.tree, logits)
-        return RULES[row.rule](row.tree, row.probs(logits), row.generator)
+        return apply_rule(row.rule, row.tree, logits, row.probs, row.tokens, row.generator)
 
     def _close(self, index: int, row: SequenceState, now: float) -> None:
         row.finished = now
@@ -264,23 +268,25 @@ class BatchedDecoder:
         seed: int | None = None,
         **options: object,
     ) -> BatchedOutput:
-        """Like `SpeculativeDecoder.generate` for every row; `options` are its keyword arguments
-        (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, stop_strings).
-        Row b samples with a seed derived from `seed`."""
-        if input_ids.dim() != 2 or input_ids.shape[0] < 1:
+        """Like `SpeculativeDecoder.generate` for every row, each row as if generated alone;
+        `options` are its keyword arguments (max_new_tokens, do_sample, ..., any `GenerationConfig`
+        field). Row b samples with a seed derived from `seed`."""
+        check_generate_arguments(
+            input_ids, attention_mask, options, seed, output_vocab_size(self.decoder.llm)
+        )
+        if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        check_options(options)
         decoder, batch = self.decoder, input_ids.shape[0]
-        settings = decoder._settings(generation_config, options)
         masks = [None] * batch if attention_mask is None else list(attention_mask)
-        prompts = [decoder._prompt(ids[None], mask) for ids, mask in zip(input_ids, masks, strict=True)]
         seeds = row_seeds(seed, batch)
-        start = time.perf_counter()
-        group = SequenceGroup(decoder, self.config)
         rows = [
-            new_sequence(decoder, p, settings, s, tag=b)
-            for b, (p, s) in enumerate(zip(prompts, seeds, strict=True))
+            new_sequence(decoder, ids, mask, generation_config, options, s, tag=b)
+            for b, (ids, mask, s) in enumerate(zip(input_ids, masks, seeds, strict=True))
         ]
+        start = time.perf_counter()
+        for row in rows:
+            row.started = start
+        group = SequenceGroup(decoder, self.config)
         group.admit(rows)
         while len(group):
             group.draft()
@@ -296,7 +302,7 @@ class BatchedDecoder:
             time_other=seconds["other"],
             time_total=time.perf_counter() - start,
         )
-        pad = pad_token_id(decoder, settings[2])
+        pad = pad_token_id(decoder, rows[0].stop.eos_token_ids)
         sequences = _pad_right([row.new_tokens for row in rows], pad, input_ids.device)
         return BatchedOutput(
             torch.cat([input_ids, sequences], dim=1), stats, [row.finish_reason for row in rows]

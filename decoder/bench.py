@@ -26,14 +26,13 @@ from typing import Protocol
 import torch
 import transformers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     BatchEncoding,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from specboost.decoder.decoder import SpeculativeDecoder
+from specboost.speculator.loading import load_causal_lm, load_tokenizer, resolve_device
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 
 DTYPES = {
@@ -95,14 +94,12 @@ def load_models(
             f"no tokenizer found at {tok_dir}; pass the tokenizer's folder with --tokenizer"
         )
 
-    def load(path: Path) -> PreTrainedModel:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
-
+    target = resolve_device(device)  # before anything loads
     return LoadedModels(
-        llm=load(llm_dir),
-        ssms=[load(p) for p in ssm_dirs],
-        tokenizer=AutoTokenizer.from_pretrained(tok_dir),
-        ssm_tokenizers=[AutoTokenizer.from_pretrained(p) if _has_tokenizer(p) else None for p in ssm_dirs],
+        llm=load_causal_lm(llm_dir, DTYPES[dtype], target),
+        ssms=[load_causal_lm(p, DTYPES[dtype], target) for p in ssm_dirs],
+        tokenizer=load_tokenizer(tok_dir),
+        ssm_tokenizers=[load_tokenizer(p) if _has_tokenizer(p) else None for p in ssm_dirs],
     )
 
 
@@ -115,7 +112,9 @@ def load_prompts(path: str | Path) -> list[str]:
         raise FileNotFoundError(f"no prompt file at {path}")
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix == ".jsonl":
-        prompts = [_prompt_from_record(json.loads(line), path, i) for i, line in enumerate(lines, start=1)]
+        prompts = [
+            _prompt_from_record(_json_line(line, path, i), path, i) for i, line in enumerate(lines, start=1)
+        ]
     else:
         prompts = lines
     if not prompts:
@@ -123,7 +122,18 @@ def load_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def _prompt_from_record(record: dict, path: Path, line: int) -> str:
+def _json_line(text: str, path: Path, line: int) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}:{line}: not valid JSON ({error.msg} at column {error.colno}); fix the line"
+        ) from None
+
+
+def _prompt_from_record(record: object, path: Path, line: int) -> str:
+    if not isinstance(record, dict):
+        raise ValueError(f'{path}:{line}: a JSONL prompt must be an object with a "prompt" or "turns" field')
     if isinstance(record.get("prompt"), str):
         return record["prompt"]
     turns = record.get("turns")

@@ -54,6 +54,10 @@ def _topology(text: str) -> tuple[tuple[int, ...], ...]:
         raise argparse.ArgumentTypeError(
             f"expected children counts per level as JSON, e.g. '[[2], [2, 1]]', got {text!r}"
         ) from None
+    if not any(n for level in levels for n in level):
+        raise argparse.ArgumentTypeError(
+            f"the topology {text!r} has no node besides the root: it drafts nothing"
+        )
     return tuple(tuple(level) for level in levels)
 
 

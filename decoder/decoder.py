@@ -10,23 +10,30 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.pool import SSMPool
+from specboost.decoder.sequence import SequenceState, new_sequence
 from specboost.decoder.stats import DecodeStats, PhaseTimer
 from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.strategies import StrategyInputs, StrategyOptions, make_speculator
 from specboost.decoder.target import TargetState
-from specboost.decoder.validation import check_causal_lm, check_same_vocabulary, context_length
+from specboost.decoder.validation import (
+    check_causal_lm,
+    check_generate_arguments,
+    check_same_vocabulary,
+    check_shape,
+    context_length,
+    output_vocab_size,
+)
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier, Verifier
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.predictor import MatchLengthPredictor
-from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import DraftShape
 from specboost.speculator.speculation import DraftRequest, Speculator, StepFeedback
 from specboost.speculator.tree import TokenTree
@@ -34,15 +41,12 @@ from specboost.speculator.tree import TokenTree
 if TYPE_CHECKING:
     from specboost.decoder.batched import BatchedOutput
 
-# Generation options the decoder does not implement, with the value that leaves them off.
-_UNSUPPORTED_OPTIONS = {"repetition_penalty": 1.0, "num_beams": 1, "min_p": 0.0, "no_repeat_ngram_size": 0}
-
 
 @dataclass
 class SpeculativeOutput:
     sequences: torch.Tensor  # [1, prompt + new] LongTensor, like model.generate
     stats: DecodeStats
-    finish_reason: str  # "eos" | "length" | "stop_string"
+    finish_reason: str  # "eos" | "length" | "stop_string" | "time"
 
 
 class SpeculativeDecoder:
@@ -95,6 +99,7 @@ class SpeculativeDecoder:
         strategy_options: StrategyOptions | None = None,
     ) -> None:
         check_causal_lm(llm, "LLM")
+        check_shape(shape)
         strategy_args = strategy != "pool" or length_controller is not None or strategy_options is not None
         if speculator is not None and strategy_args:
             raise ValueError(
@@ -131,61 +136,11 @@ class SpeculativeDecoder:
         self.verifier: Verifier = StairsVerifier() if verification == "stairs" else TreeVerifier(rule)
         self.max_positions = context_length(llm)
 
-    # Settings ------------------------------------------------------------------------------------
-    def _settings(
-        self, generation_config: GenerationConfig | None, overrides: dict
-    ) -> tuple[SamplingConfig, int, frozenset[int], tuple[str, ...]]:
-        """Explicit arguments > `generation_config` > the LLM's generation_config > defaults."""
-        merged: dict = {}
-        for source in (self.llm.generation_config, generation_config):
-            if source is not None:
-                merged.update({k: v for k, v in source.to_dict().items() if v is not None})
-        merged.update({k: v for k, v in overrides.items() if v is not None})
-        sampling = SamplingConfig(
-            do_sample=bool(merged.get("do_sample", False)),
-            temperature=float(merged.get("temperature", 1.0)),
-            top_k=int(merged.get("top_k", 0)),
-            top_p=float(merged.get("top_p", 1.0)),
-        )
-        for name, neutral in _UNSUPPORTED_OPTIONS.items():
-            if merged.get(name, neutral) != neutral:
-                raise ValueError(f"{name}={merged[name]!r} is not supported by SpeculativeDecoder")
-        max_new_tokens = merged.get("max_new_tokens")
-        if max_new_tokens is None:
-            raise ValueError("set max_new_tokens (the number of tokens to generate)")
-        eos = merged.get("eos_token_id")
-        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        stop = merged.get("stop_strings") or ()
-        stop_strings = (stop,) if isinstance(stop, str) else tuple(stop)
-        return sampling, int(max_new_tokens), eos_ids, stop_strings
-
-    def _prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[0] != 1:
-            raise NotImplementedError(
-                f"batched speculative decoding (batch size {input_ids.shape[0]}) is not implemented yet; "
-                "call generate once per sequence"
-            )
-        prompt = input_ids[0]
-        if attention_mask is not None:
-            prompt = prompt[attention_mask.reshape(-1).bool().to(prompt.device)]  # drop left padding
-        if prompt.numel() == 0:
-            raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
-        if self.max_positions is not None and prompt.numel() > self.max_positions:
-            raise ValueError(
-                f"the prompt has {prompt.numel()} tokens but the LLM's context holds {self.max_positions}; "
-                "shorten the prompt"
-            )
-        return prompt.tolist()
-
     # Generation ----------------------------------------------------------------------------------
     def generate(
         self,
-        input_ids: torch.Tensor,  # [1, L]
-        attention_mask: torch.Tensor | None = None,  # [1, L]
+        input_ids: torch.Tensor,  # [1, L] or [B, L]
+        attention_mask: torch.Tensor | None = None,  # like input_ids
         max_new_tokens: int | None = None,
         do_sample: bool | None = None,
         temperature: float | None = None,
@@ -195,12 +150,16 @@ class SpeculativeDecoder:
         stop_strings: str | list[str] | None = None,
         generation_config: GenerationConfig | None = None,
         seed: int | None = None,
+        **options: Any,
     ) -> SpeculativeOutput | BatchedOutput:
-        """Generate like `llm.generate`. Unset options come from `generation_config`, then from the
-        LLM's own generation_config. `seed` makes sampling reproducible. A batch (`input_ids`
-        [B, L], B > 1, left-padded `attention_mask`) decodes every row at once and returns a
+        """Generate like `llm.generate`: options are resolved as `generate` resolves them (explicit
+        arguments > `generation_config` > the LLM's own generation_config > transformers' defaults)
+        and every `GenerationConfig` field is honoured or refused with a ValueError
+        (`decoder/generation_options.py`); `options` takes any other field, e.g.
+        `repetition_penalty=1.2`. `seed` makes sampling reproducible. A batch (`input_ids` [B, L],
+        B > 1, left-padded `attention_mask`) decodes every row at once and returns a
         `BatchedOutput` (`decoder/batched.py`, ALGORITHMS.md section 11)."""
-        options = dict(
+        options |= dict(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature,
@@ -209,6 +168,7 @@ class SpeculativeDecoder:
             eos_token_id=eos_token_id,
             stop_strings=stop_strings,
         )
+        check_generate_arguments(input_ids, attention_mask, options, seed, output_vocab_size(self.llm))
         if input_ids.dim() == 2 and input_ids.shape[0] != 1:
             from specboost.decoder.batched import BatchedDecoder  # it imports this module
 
@@ -216,38 +176,26 @@ class SpeculativeDecoder:
             return batched.generate(
                 input_ids, attention_mask, generation_config=generation_config, seed=seed, **options
             )
-        sampling, budget, eos_ids, stops = self._settings(generation_config, options)
-        self.verifier.check(
-            self.speculator.tree_kind(sampling.do_sample), sampling.do_sample, self.speculator.num_ssms
-        )
-        prompt = self._prompt(input_ids, attention_mask)
-        stop = StopCriteria(budget, eos_ids, stops, self.tokenizer)
-        generator = None if seed is None else torch.Generator(self.llm.device).manual_seed(seed)
-        return self._decode(prompt, stop, LogitsToProbs(sampling), generator, seed)
+        mask = None if attention_mask is None else attention_mask.reshape(-1)
+        row = new_sequence(self, input_ids.reshape(-1), mask, generation_config, options, seed)
+        return self._decode(row)
 
-    def _decode(
-        self,
-        prompt: list[int],
-        stop: StopCriteria,
-        probs: LogitsToProbs,
-        generator: torch.Generator | None,
-        seed: int | None,
-    ) -> SpeculativeOutput:
+    def _decode(self, row: SequenceState) -> SpeculativeOutput:
         start = time.perf_counter()
         timer = PhaseTimer(self.llm.device)
-        stats = DecodeStats()
+        stats, stop = row.stats, row.stop
         with timer.phase("other"):
-            self.speculator.reset(seed)
-            target = TargetState(self.llm, prompt, keep_hidden=self.speculator.wants_hidden)
+            self.speculator.reset(row.seed)
+            target = TargetState(self.llm, row.tokens, keep_hidden=self.speculator.wants_hidden)
         while stop.finish_reason is None:
             # 1. Draft a token tree (no deeper than the tokens still wanted or the context allows).
             with timer.phase("draft"):
-                request = DraftRequest(target.tokens, self._max_depth(target, stop), probs, target.hidden)
+                request = DraftRequest(target.tokens, self._max_depth(target, stop), row.probs, target.hidden)
                 tree = self.speculator.propose(request)
             # 2. Verify it in one LLM pass; the LLM cache keeps prefix + accepted path.
             verify_start = timer.seconds["verify"]
             with timer.phase("verify"):
-                verdict = self.verifier.verify(target, tree, probs, generator)
+                verdict = self.verifier.verify(target, tree, row.probs, row.generator, row.rule)
             with timer.phase("other"):
                 # 3. Emit accepted tokens and the LLM's own token, up to the first stopping point.
                 emitted = [tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
@@ -256,7 +204,7 @@ class SpeculativeDecoder:
                 self.speculator.observe(
                     StepFeedback(tree, verdict.accepted, timer.seconds["verify"] - verify_start)
                 )
-                _record_step(stats, tree, verdict.accepted)
+                record_step(stats, tree, verdict.accepted)
                 if self.max_positions is not None and len(target.tokens) > self.max_positions:
                     stop.finish_reason = stop.finish_reason or "length"
         stats.new_tokens = len(stop.generated)
@@ -276,7 +224,8 @@ class SpeculativeDecoder:
         return depth
 
 
-def _record_step(stats: DecodeStats, tree: TokenTree, accepted: list[int]) -> None:
+def record_step(stats: DecodeStats, tree: TokenTree, accepted: list[int]) -> None:
+    """Count one verification step of `tree` in `stats` (ALGORITHMS.md section 13)."""
     stats.llm_steps += 1
     stats.draft_tokens += tree.num_draft_tokens
     stats.accepted_tokens += len(accepted)

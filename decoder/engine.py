@@ -39,8 +39,9 @@ import torch
 from transformers import GenerationConfig
 
 from specboost.decoder.batched import BatchConfig, SequenceGroup
-from specboost.decoder.sequence import SequenceState, check_options, new_sequence
+from specboost.decoder.sequence import SequenceState, new_sequence
 from specboost.decoder.stats import DecodeStats
+from specboost.decoder.validation import check_generate_arguments, output_vocab_size
 
 if TYPE_CHECKING:
     from specboost.decoder.decoder import SpeculativeDecoder
@@ -76,7 +77,7 @@ class Request:
 @dataclass
 class RequestResult:
     sequences: torch.Tensor  # [1, prompt + new], like generate
-    finish_reason: str  # "eos" | "length" | "stop_string"
+    finish_reason: str  # "eos" | "length" | "stop_string" | "time"
     stats: DecodeStats
     latency: float  # seconds from submit to the last token
     queued: float  # seconds from submit to joining a group
@@ -183,14 +184,11 @@ class Engine:
         **options: object,
     ) -> RequestHandle:
         """Queue one prompt (token ids, [L] or [1, L]); `options` as for `SpeculativeDecoder.generate`
-        (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, stop_strings). Bad
-        settings raise here."""
-        check_options(options)
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-        prompt = self.decoder._prompt(ids, None)
-        settings = self.decoder._settings(generation_config, options)
+        (max_new_tokens, do_sample, ..., any `GenerationConfig` field). Bad settings raise here."""
+        ids = torch.as_tensor(prompt_ids)
+        check_generate_arguments(ids, None, options, seed, output_vocab_size(self.decoder.llm))
         handle = RequestHandle(self._wake)
-        row = new_sequence(self.decoder, prompt, settings, seed, tag=handle)
+        row = new_sequence(self.decoder, ids.reshape(-1), None, generation_config, options, seed, tag=handle)
         with self._cond:
             if self._closing or self._error is not None:
                 raise RuntimeError(

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 from huggingface_hub import snapshot_download
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.validation import model_name, output_vocab_size
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model
+from specboost.speculator.loading import LoadError, load_causal_lm, load_tokenizer
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sequoia_acceptance import AcceptanceVector, load_acceptance_file
 
@@ -52,7 +53,7 @@ def _local_folder(location: str | Path) -> Path:
     try:
         return Path(snapshot_download(text))
     except Exception as error:  # offline, unknown repo, no access: all say the same to a user
-        raise OSError(
+        raise LoadError(
             f"could not download the SSM pool {text!r} from the Hugging Face Hub ({type(error).__name__}: "
             f"{error}); check the id and your connection (HF_HUB_OFFLINE=1 forbids downloads), "
             "or give a local folder"
@@ -121,11 +122,9 @@ class SSMPool:
                     f"the pool {folder} lists SSM {entry['path']!r} but {ssm_dir} holds no model "
                     "(config.json is missing); re-export or re-download the pool"
                 )
-            kwargs = {} if dtype is None else {"dtype": dtype}
-            model = AutoModelForCausalLM.from_pretrained(ssm_dir, **kwargs)
-            models.append((model if device is None else model.to(device)).eval())
+            models.append(load_causal_lm(ssm_dir, dtype, device))
         first = folder / manifest["ssms"][0]["path"] if manifest["ssms"] else None
-        tokenizer = AutoTokenizer.from_pretrained(first) if first is not None else None
+        tokenizer = load_tokenizer(first) if first is not None else None
         weights = [float(w) for w in manifest.get("weights") or [1.0 / len(models)] * len(models)]
         predictor = None
         if manifest.get("predictor"):

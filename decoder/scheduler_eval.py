@@ -32,7 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specboost.decoder.bench import (
     BenchConfig,
@@ -51,6 +51,7 @@ from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.pool import SSMPool
 from specboost.speculator.beam_search import beam_match_lengths
 from specboost.speculator.cost_model import CostModel
+from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.shapes import BeamShape
@@ -183,8 +184,8 @@ def plot(summary: list[MethodSummary], path: Path) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = AutoModelForCausalLM.from_pretrained(args.llm).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.llm)
+    llm = load_causal_lm(args.llm)
+    tokenizer = load_tokenizer(args.llm)
     pool = SSMPool.from_pretrained(args.pool)
     pool.check_llm(llm, tokenizer)
     if pool.predictor is None:
@@ -246,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--force-profile", action="store_true", help="use a profile of other hardware")
     p.add_argument("--out", type=Path, default=Path("artifacts/scheduler-eval"))
-    run(p.parse_args(argv))
+    try:
+        run(p.parse_args(argv))
+    except (FileNotFoundError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -12,29 +12,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import GenerationConfig
 
+from specboost.decoder.generation_options import GenerationSettings, resolve
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.stopping import StopCriteria
-from specboost.decoder.verifiers import TreeVerifier
+from specboost.decoder.validation import prompt_tokens
 from specboost.decoder.verify import Rule
-from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
+from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.tree import TokenTree
 
 if TYPE_CHECKING:
     from specboost.decoder.decoder import SpeculativeDecoder
-
-# What `SpeculativeDecoder._settings` returns: sampling, max_new_tokens, EOS ids, stop strings.
-Settings = tuple[SamplingConfig, int, frozenset[int], tuple[str, ...]]
-# The per-sequence generation options of `SpeculativeDecoder.generate` (besides generation_config, seed).
-OPTIONS = frozenset(
-    {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "stop_strings"}
-)
-
-
-def check_options(options: dict) -> None:
-    unknown = sorted(set(options) - OPTIONS)
-    if unknown:
-        raise TypeError(f"unknown generation options {unknown}; the options are {sorted(OPTIONS)}")
 
 
 @dataclass
@@ -52,6 +41,7 @@ class SequenceState:
     hidden: torch.Tensor | None = None  # [H] LLM state before the root, for strategies that want it
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None  # when its last token was emitted
+    settings: GenerationSettings | None = None  # the resolved generation options
 
     @property
     def finish_reason(self) -> str | None:
@@ -70,24 +60,37 @@ class SequenceState:
         return depth
 
 
-def batch_rule(decoder: SpeculativeDecoder, do_sample: bool) -> Rule:
-    """The verification rule for a sequence of a batch, chosen and checked as `generate` does;
-    a ValueError says what to change when the combination is not lossless."""
-    if not isinstance(decoder.verifier, TreeVerifier):
-        raise ValueError(
-            "batched decoding verifies with tree attention; verification='stairs' is for one sequence"
-        )
-    verifier = TreeVerifier(decoder.verifier.rule)
+def sequence_rule(decoder: SpeculativeDecoder, do_sample: bool) -> Rule:
+    """The verification rule for a sequence, chosen and checked by the decoder's verifier; a
+    ValueError says what to change when the combination is not lossless."""
     speculator = decoder.speculator
-    verifier.check(speculator.tree_kind(do_sample), do_sample, speculator.num_ssms)
-    return verifier.active_rule
+    return decoder.verifier.check(speculator.tree_kind(do_sample), do_sample, speculator.num_ssms)
 
 
 def new_sequence(
-    decoder: SpeculativeDecoder, prompt: list[int], settings: Settings, seed: int | None, tag: Any = None
+    decoder: SpeculativeDecoder,
+    input_ids: torch.Tensor,  # [L], maybe left-padded
+    attention_mask: torch.Tensor | None,  # [L]
+    generation_config: GenerationConfig | None,
+    options: dict[str, Any],
+    seed: int | None,
+    tag: Any = None,
 ) -> SequenceState:
-    sampling, max_new_tokens, eos_ids, stop_strings = settings
-    rule = batch_rule(decoder, sampling.do_sample)
-    stop = StopCriteria(max_new_tokens, eos_ids, stop_strings, decoder.tokenizer)
+    """One sequence to decode: its prompt (padding dropped, checked against the LLM's context), its
+    options resolved as `generate` resolves them, its verification rule and random stream."""
+    prompt = prompt_tokens(input_ids, attention_mask, decoder.max_positions)
+    ids = torch.tensor([prompt], dtype=torch.long, device=decoder.llm.device)
+    settings = resolve(decoder.llm, generation_config, options, ids)
+    rule = sequence_rule(decoder, settings.sampling.do_sample)
+    stop = StopCriteria(
+        settings.max_new_tokens,
+        settings.eos_token_ids,
+        settings.stop_strings,
+        decoder.tokenizer,
+        settings.max_time,
+        tuple(prompt),
+    )
     generator = None if seed is None else torch.Generator(decoder.llm.device).manual_seed(seed)
-    return SequenceState(list(prompt), len(prompt), stop, LogitsToProbs(sampling), rule, generator, seed, tag)
+    return SequenceState(
+        prompt, len(prompt), stop, settings.probs, rule, generator, seed, tag, settings=settings
+    )

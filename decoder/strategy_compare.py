@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.bench import (
     BenchReport,
@@ -54,6 +54,7 @@ from specboost.decoder.pool import SSMPool
 from specboost.decoder.scheduler_eval import held_out_prompts
 from specboost.decoder.strategies import StrategyOptions
 from specboost.decoder.strategy_compare_plots import plot_lengths, plot_majority, plot_trees
+from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.sequoia_dp import chains_shape
 from specboost.speculator.shapes import ChainShape
 from specboost.training.sequoia_trees import comparison
@@ -283,8 +284,8 @@ def markdown(
 # Run --------------------------------------------------------------------------------------------------
 def run(config: CompareConfig, out: Path) -> dict[str, Any]:
     torch.set_num_threads(config.threads)  # before the pool's profile is looked up: it is per thread count
-    llm = AutoModelForCausalLM.from_pretrained(config.llm).eval()
-    tokenizer = AutoTokenizer.from_pretrained(config.llm)
+    llm = load_causal_lm(config.llm)
+    tokenizer = load_tokenizer(config.llm)
     pool = SSMPool.from_pretrained(config.pool)
     pool.check_llm(llm, tokenizer)
     methods = MethodSet(llm, pool, tokenizer, config.max_new_tokens)
@@ -366,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         ssm=args.ssm,
     )
-    result = run(config, args.out)
+    try:
+        result = run(config, args.out)
+    except (FileNotFoundError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0 if result["headline"]["all_identical"] else 1
 
 

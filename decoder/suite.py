@@ -277,7 +277,8 @@ def markdown_report(report: SuiteReport, level: int = 1) -> str:
         "tokens/step = new tokens / LLM passes (the LLM's own token included: plain = 1.00); drafted/step = "
         "tree size; acceptance = accepted / drafted tokens; draft/verify/other = shares of the decoder's "
         "time; speedup = tokens/s over plain's (or the fastest HF assisted's) in the same repeat: median "
-        "(min-max) over repeats (ALGORITHMS.md section 13); ms/token (batch > 1, BASS) = a row's latency "
+        "(min-max) over repeats ([ALGORITHMS.md](docs/ALGORITHMS.md) section 13); ms/token (batch > 1, BASS) "
+        "= a row's latency "
         "/ its new tokens, of the first and the last row to finish and the batch mean: median over repeats "
         "(plain batched generation returns every row after the whole call). Greedy outputs must equal "
         "plain decoding's: a method that differs is flagged and not ranked.",

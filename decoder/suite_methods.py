@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     BatchEncoding,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -46,6 +44,7 @@ from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.strategies import STRATEGIES
 from specboost.decoder.suite_report import HF_ASSISTED, PLAIN, row_stats
+from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.shapes import BeamShape, ChainShape
 
 # Strategies with their own rows below; every other name in STRATEGIES gets a row of its own.
@@ -67,8 +66,8 @@ class SuiteModels:
 
     @classmethod
     def load(cls, llm_path: str | Path, pool_path: str | Path, dtype: str, device: str) -> SuiteModels:
-        llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=DTYPES[dtype]).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(llm_path)
+        llm = load_causal_lm(llm_path, DTYPES[dtype], device)
+        tokenizer = load_tokenizer(llm_path)
         pool = SSMPool.from_pretrained(pool_path, device=device, dtype=DTYPES[dtype])
         pool.check_llm(llm, tokenizer)
         return cls(llm, tokenizer, pool, ForwardCounter(llm))

@@ -11,19 +11,24 @@ from typing import Protocol
 import torch
 
 from specboost.decoder.target import TargetState
-from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, RULES, Rule, Verdict, check_rule, verify_greedy
+from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, Rule, Verdict, apply_rule, check_rule
 from specboost.speculator.kv_cache import compact_cache
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.tree import DraftKind, TokenTree
 
 
 class Verifier(Protocol):
-    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
-        """Called before each `generate`: fix the rule for these trees, or raise a ValueError if
-        this verifier cannot verify them losslessly."""
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> Rule:
+        """Called for every sequence: the rule for these trees, or a ValueError if this verifier
+        cannot verify them losslessly."""
 
     def verify(
-        self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
+        self,
+        target: TargetState,
+        tree: TokenTree,
+        probs: LogitsToProbs,
+        generator: torch.Generator | None,
+        rule: Rule,
     ) -> Verdict: ...
 
 
@@ -32,7 +37,6 @@ class TreeVerifier:
 
     def __init__(self, rule: Rule | str | None = None) -> None:
         self.rule = None if rule is None else Rule(rule)
-        self.active_rule = self.rule or Rule.GREEDY  # the rule `verify` applies, fixed by `check`
 
     def rule_for(self, kind: DraftKind, do_sample: bool, num_ssms: int = 1) -> Rule:
         """The user's rule, else greedy, else the default lossless rule for the tree kind; a pool
@@ -44,7 +48,7 @@ class TreeVerifier:
         rule = DEFAULT_SAMPLING_RULE[kind]
         return Rule.TARGET if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1 else rule
 
-    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> Rule:
         rule = self.rule_for(kind, do_sample, num_ssms)
         check_rule(rule, kind, do_sample)
         if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1:
@@ -53,17 +57,19 @@ class TreeVerifier:
                 "so it works with a single SSM; use rule='target' for a pool (rule='mss' needs chains "
                 "sampled with replacement, i.e. ChainShape)"
             )
-        self.active_rule = rule
+        return rule
 
     @torch.no_grad()
     def verify(
-        self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
+        self,
+        target: TargetState,
+        tree: TokenTree,
+        probs: LogitsToProbs,
+        generator: torch.Generator | None,
+        rule: Rule,
     ) -> Verdict:
         logits = target.tree_logits(tree)  # [N, V]
-        if self.active_rule is Rule.GREEDY:
-            verdict = verify_greedy(tree, logits)
-        else:
-            verdict = RULES[self.active_rule](tree, probs(logits), generator)
+        verdict = apply_rule(rule, tree, logits, probs, target.tokens, generator)
         target.keep_accepted(verdict.accepted)
         return verdict
 
@@ -72,17 +78,23 @@ class StairsVerifier:
     """Stairs validation (ALGORITHMS.md section 12): the LLM runs a batch of d+1 growing prefixes
     [S], [S, x1], ..., [S, x1..xd] and keeps x_i while it equals the previous row's argmax."""
 
-    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> None:
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> Rule:
         if do_sample:
             raise ValueError("verification='stairs' is a greedy baseline; use do_sample=False")
         if kind is not DraftKind.GREEDY or num_ssms != 1:
             raise ValueError(
                 "verification='stairs' validates one greedy chain: use a single SSM with ChainShape"
             )
+        return Rule.GREEDY
 
     @torch.no_grad()
     def verify(
-        self, target: TargetState, tree: TokenTree, probs: LogitsToProbs, generator: torch.Generator | None
+        self,
+        target: TargetState,
+        tree: TokenTree,
+        probs: LogitsToProbs,
+        generator: torch.Generator | None,
+        rule: Rule,
     ) -> Verdict:
         chain = tree.tokens  # root, x1..xd (a chain: node i is at depth i)
         rows = len(chain)
@@ -101,8 +113,9 @@ class StairsVerifier:
             use_cache=True,
             output_hidden_states=target.keep_hidden,
         )
-        # Row i: the LLM's choice after x1..xi.
-        choices = out.logits[torch.arange(rows), torch.arange(rows)].argmax(-1).tolist()
+        # Row i: the LLM's choice after x1..xi (node i of the chain), after logits processing.
+        logits = out.logits[torch.arange(rows), torch.arange(rows)]  # [d+1, V]
+        choices = probs.tree_scores(logits, tree, target.tokens).argmax(-1).tolist()
         target.cache.batch_select_indices(torch.tensor([rows - 1], device=llm.device))
         accepted = 0
         while accepted < rows - 1 and chain[accepted + 1] == choices[accepted]:

@@ -16,6 +16,7 @@ from enum import Enum
 
 import torch
 
+from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.tree import DraftKind, TokenTree
 
 
@@ -82,9 +83,26 @@ def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
     return float(torch.rand((), generator=generator, device=device))
 
 
-def verify_greedy(tree: TokenTree, logits: torch.Tensor, **_) -> Verdict:
-    """Accept the child equal to argmax p: reproduces the LLM's greedy decoding exactly."""
-    choices = logits.argmax(dim=-1).tolist()  # [N]
+def apply_rule(
+    rule: Rule,
+    tree: TokenTree,
+    logits: torch.Tensor,  # [N, V] the LLM's raw logits at every node
+    probs: LogitsToProbs,
+    verified: list[int],  # prompt + verified tokens; the last one is the tree's root
+    generator: torch.Generator | None,
+) -> Verdict:
+    """`rule` on `tree`, with p the LLM's distribution after the logits processing `generate` would
+    apply at each node, given that node's own history."""
+    scores = probs.tree_scores(logits, tree, verified)  # [N, V]
+    if rule is Rule.GREEDY:
+        return verify_greedy(tree, scores)
+    return RULES[rule](tree, torch.softmax(scores, dim=-1), generator)
+
+
+def verify_greedy(tree: TokenTree, scores: torch.Tensor, **_) -> Verdict:
+    """Accept the child equal to argmax p (of the processed scores [N, V]): reproduces the LLM's
+    greedy decoding exactly."""
+    choices = scores.argmax(dim=-1).tolist()  # [N]
     return _walk(tree, lambda node: choices[node])
 
 

@@ -1,4 +1,7 @@
-"""Token trees, tree attention and SSM drafting."""
+"""Token trees, tree attention and SSM drafting.
+
+Sections cited as "ALGORITHMS.md section N" are those of docs/ALGORITHMS.md in the repository.
+"""
 
 from specboost.speculator.drafter import SSMDrafter
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape

@@ -61,10 +61,11 @@ class BatchedChainDrafter:
             ]
         )
         for step in range(max(lengths)):
-            greedy = logits.argmax(-1).tolist()
+            scores = _row_scores(logits, verified, chains, probs)  # [B, V]
+            greedy = scores.argmax(-1).tolist()
             for b, chain in enumerate(chains):
                 if step < lengths[b]:
-                    chain.append(_choose(logits[b], greedy[b], probs[b], generators[b]))
+                    chain.append(_choose(scores[b], greedy[b], probs[b], generators[b]))
             # The last token of a chain is never fed: the next draft starts from the verified tokens.
             feeds = [[chain[-1][0]] if step + 1 < n else [] for chain, n in zip(chains, lengths, strict=True)]
             if any(feeds):
@@ -93,11 +94,26 @@ class BatchedChainDrafter:
         return out.logits[torch.arange(len(feeds), device=last.device), last]
 
 
+def _row_scores(
+    logits: torch.Tensor, verified: list[list[int]], chains: list[Chain], probs: list[LogitsToProbs]
+) -> torch.Tensor:
+    """[B, V] logits -> each row's processed scores, with its own history (verified + chain)."""
+    if not any(p.processors for p in probs):
+        return logits.float()
+    rows = []
+    for b, p in enumerate(probs):
+        history = [*verified[b], *(token for token, _ in chains[b])] if p.needs_history else None
+        histories = None if history is None else torch.tensor([history], device=logits.device)
+        rows.append(p.scores(logits[b : b + 1], histories))
+    return torch.cat(rows)
+
+
 def _choose(
-    logits: torch.Tensor, greedy: int, probs: LogitsToProbs, generator: torch.Generator | None
+    scores: torch.Tensor, greedy: int, probs: LogitsToProbs, generator: torch.Generator | None
 ) -> tuple[int, torch.Tensor | None]:
-    """The next chain token, as `SSMDrafter` picks it: argmax, or a sample from q (kept for MSS)."""
+    """The next chain token, as `SSMDrafter` picks it: argmax of the processed scores [V], or a
+    sample from q = softmax(scores) (kept for MSS)."""
     if not probs.config.do_sample:
         return greedy, None
-    q = probs(logits[None])[0]
+    q = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(q, 1, generator=generator)), q

@@ -56,7 +56,7 @@ class SSMDrafter:
         if isinstance(shape, ChainShape):
             return self._draft_chain(root_logits, min(shape.length, max_depth), probs, generator)
         if isinstance(shape, BeamShape):
-            return self._draft_beam(root_logits, shape.width, min(shape.depth, max_depth))
+            return self._draft_beam(root_logits, shape.width, min(shape.depth, max_depth), probs)
         if isinstance(shape, TopologyShape):
             return self._draft_topology(root_logits, shape, max_depth, probs, generator)
         raise TypeError(f"unknown draft shape {shape!r}")
@@ -102,23 +102,26 @@ class SSMDrafter:
         for step in range(length):
             if step > 0:
                 logits = self._expand(range(node, node + 1))[0]
+            scores = probs.tree_scores(logits[None], tree, self.cached_tokens, [node])[0]
             if probs.config.do_sample:
-                q = probs(logits[None])[0]
+                q = torch.softmax(scores, dim=-1)
                 token = int(torch.multinomial(q, 1, generator=generator))
             else:
-                q, token = None, int(logits.argmax())
+                q, token = None, int(scores.argmax())
             node = tree.add_child(node, token, self.index, q)
         return tree
 
-    def _draft_beam(self, logits: torch.Tensor, width: int, depth: int) -> TokenTree:
-        """SpecInfer beam search; returns the merge of the final beams (kind BEAM)."""
-        tree = self._expansion
+    def _draft_beam(self, logits: torch.Tensor, width: int, depth: int, probs: LogitsToProbs) -> TokenTree:
+        """SpecInfer beam search on the greedy-processed scores; returns the merge of the final
+        beams (kind BEAM)."""
+        tree, greedy = self._expansion, probs.greedy()
         beams, scores = [0], torch.zeros(1, dtype=torch.float64)
         level_logits = logits[None]  # [beams, V]
         for level in range(depth):
             if level > 0:
                 level_logits = self._expand(range(beams[0], beams[-1] + 1))
-            logp = torch.log_softmax(level_logits.double(), dim=-1) + scores[:, None]  # [beams, V]
+            level_scores = greedy.tree_scores(level_logits, tree, self.cached_tokens, beams)
+            logp = torch.log_softmax(level_scores.double(), dim=-1) + scores[:, None]  # [beams, V]
             top = torch.topk(logp.flatten(), min(width, logp.numel()))
             vocab = logp.shape[1]
             new_beams = []
@@ -145,12 +148,14 @@ class SSMDrafter:
         while frontier and tree.depths[frontier[0][1]] < max_depth:
             if frontier[0][1] > 0:
                 level_logits = self._expand(range(frontier[0][1], frontier[-1][1] + 1))
+            nodes = [node for _, node in frontier]
+            level_scores = probs.tree_scores(level_logits, tree, self.cached_tokens, nodes)
             next_frontier = []
-            for (shape_node, node), node_logits in zip(frontier, level_logits, strict=True):
+            for (shape_node, node), scores in zip(frontier, level_scores, strict=True):
                 wanted = shape_children[shape_node]
                 if not wanted:
                     continue
-                tokens, q = self.sample_children(node_logits, len(wanted), probs, generator)
+                tokens, q = self.sample_children(scores, len(wanted), probs.config.do_sample, generator)
                 for shape_child, token in zip(wanted, tokens, strict=False):
                     next_frontier.append((shape_child, tree.add_child(node, token, self.index, q)))
             frontier = next_frontier
@@ -158,10 +163,12 @@ class SSMDrafter:
 
     @staticmethod
     def sample_children(
-        logits: torch.Tensor, k: int, probs: LogitsToProbs, generator: torch.Generator | None
+        scores: torch.Tensor, k: int, do_sample: bool, generator: torch.Generator | None
     ) -> tuple[list[int], torch.Tensor | None]:
-        if not probs.config.do_sample:
-            return torch.topk(logits, min(k, logits.numel())).indices.tolist(), None
-        q = probs(logits[None])[0]
+        """k children from processed scores [V]: the top k (greedy), or k drawn without replacement
+        from q = softmax(scores), returned with q."""
+        if not do_sample:
+            return torch.topk(scores, min(k, scores.numel())).indices.tolist(), None
+        q = torch.softmax(scores, dim=-1)
         k = min(k, int((q > 0).sum()))
         return torch.multinomial(q, k, replacement=False, generator=generator).tolist(), q

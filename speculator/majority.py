@@ -29,13 +29,9 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from specboost.speculator.length_control import LengthController
-from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import ChainShape, DraftShape
 from specboost.speculator.speculation import DraftRequest, PoolSpeculator, StepFeedback
 from specboost.speculator.tree import DraftKind, TokenTree
-
-# Majority votes on argmax chains, also under do_sample=True (see MajoritySpeculator).
-_GREEDY = LogitsToProbs(SamplingConfig(do_sample=False))
 
 
 @dataclass(frozen=True)
@@ -240,7 +236,7 @@ class MajoritySpeculator(WeightedPoolSpeculator):
         self.voted = []
 
     def propose(self, request: DraftRequest) -> TokenTree:
-        merged = self.draft_merged(request, _GREEDY)
+        merged = self.draft_merged(request, request.probs.greedy())  # argmax chains, also when sampling
         path = voted_path(merged, self.weights)
         self.voted.append(sorted(merged.ssms[path[-1]]) if path else [])
         return induced_subtree(merged, path)

@@ -20,8 +20,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.tree import TreeBatch
-from specboost.speculator.tree_attention import tree_position_ids
+from specboost.speculator.tree_attention import tree_attention_mask, tree_position_ids
 
 
 def chain_batch(chains: list[list[int]], pad_token: int = 0) -> TreeBatch:
@@ -38,19 +39,6 @@ def chain_batch(chains: list[list[int]], pad_token: int = 0) -> TreeBatch:
     depths = torch.arange(n).expand(b, n) * valid
     parents = torch.where(valid, torch.arange(n) - 1, -1)
     return TreeBatch(tokens, parents, depths.clone(), valid, ancestors)
-
-
-def ragged_attention_mask(
-    ancestors: torch.Tensor, lengths: torch.Tensor, width: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """[B, 1, Q, width + K] additive mask: query node u of row b sees row b's cached positions
-    0 .. lengths[b] - 1 and the fed nodes marked in `ancestors[b, u]` ([B, Q, K] bool)."""
-    b, q, _ = ancestors.shape
-    cached = torch.arange(width, device=ancestors.device)[None] < lengths[:, None]  # [B, width]
-    allowed = torch.cat([cached[:, None, :].expand(b, q, width), ancestors], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=ancestors.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
 
 
 @dataclass
@@ -90,10 +78,22 @@ class RaggedCache:
         batch = batch.to(model.device)
         lengths = torch.tensor(self.lengths, device=model.device)
         self._fed_at = self.width
+        # Row b's cached position j is its token j; query node u of row b sees row b's cached
+        # positions 0 .. lengths[b] - 1 and its ancestors among the fed nodes.
+        cached_positions = torch.arange(self.width, device=model.device)[None].expand(len(lengths), -1)
+        positions = tree_position_ids(batch.depths, lengths[:, None])  # [B, N]
+        mask = tree_attention_mask(
+            batch.ancestors,
+            cached_positions < lengths[:, None],
+            positions,
+            torch.cat([cached_positions, positions], dim=-1),
+            model.dtype,
+            AttentionLayout.of(model),
+        )
         out = model(
             input_ids=batch.tokens,
-            attention_mask=ragged_attention_mask(batch.ancestors, lengths, self.width, model.dtype),
-            position_ids=tree_position_ids(batch.depths, lengths[:, None]),
+            attention_mask=mask,
+            position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=output_hidden,

@@ -1,8 +1,13 @@
-"""Logits processing shared by the LLM and the SSMs.
+"""Logits processing shared by the LLM and the SSMs (ALGORITHMS.md section 2, "Logits processing").
 
-Temperature, top-k and top-p are applied with `transformers`' own logits warpers, in the
-order `generate` applies them, so P (LLM) and Q (SSM) are processed identically and exactly
-as `model.generate` would process them (ALGORITHMS.md section 2).
+P (LLM) and Q (SSM) are the softmax of *processed* scores: transformers' own logits processors
+and warpers, built from the generation config exactly as `model.generate` builds them
+(`decoder/generation_options.py`), applied in its order to logits cast to float32 as
+`generate` casts them. Many processors read the sequence so far (repetition penalty, n-gram
+blocking, bad words, minimum lengths, ...), so scores of a tree node are processed with that
+node's own history: the verified tokens followed by the path to the node
+(`LogitsToProbs.tree_scores`). Without a generation config, `SamplingConfig` alone gives the
+temperature / top-k / top-p warpers.
 """
 
 from __future__ import annotations
@@ -11,12 +16,47 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation import logits_process as lp
 from transformers.generation.logits_process import (
+    LogitsProcessor,
     LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from specboost.speculator.tree import TokenTree
+
+# Processors whose result does not depend on the history: a tree is processed in one call.
+HISTORY_FREE: frozenset[type] = frozenset(
+    {
+        lp.EpsilonLogitsWarper,
+        lp.EtaLogitsWarper,
+        lp.InfNanRemoveLogitsProcessor,
+        lp.LogitNormalization,
+        lp.MinPLogitsWarper,
+        lp.SuppressTokensLogitsProcessor,
+        lp.TemperatureLogitsWarper,
+        lp.TopHLogitsWarper,
+        lp.TopKLogitsWarper,
+        lp.TopPLogitsWarper,
+        lp.TypicalLogitsWarper,
+    }
+)
+# Processors that look at each row's scores (and history) alone: they take a batch of tree
+# nodes at once. Any other processor (e.g. one holding the prompt as a [1, L] tensor) runs row by row.
+ROW_INDEPENDENT: frozenset[type] = HISTORY_FREE | {
+    lp.ExponentialDecayLengthPenalty,
+    lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor,
+    lp.MinLengthLogitsProcessor,
+    lp.MinNewTokensLengthLogitsProcessor,
+    lp.NoBadWordsLogitsProcessor,
+    lp.NoRepeatNGramLogitsProcessor,
+    lp.RepetitionPenaltyLogitsProcessor,
+    lp.SequenceBiasLogitsProcessor,
+    lp.SuppressTokensAtBeginLogitsProcessor,
+}
 
 
 @dataclass(frozen=True)
@@ -63,22 +103,85 @@ class SamplingConfig:
 
 
 class LogitsToProbs:
-    """Turns raw logits into the distribution tokens are drawn from (P for the LLM, Q for SSMs)."""
+    """Turns raw logits into processed scores and the distribution tokens are drawn from (P for the
+    LLM, Q for the SSMs).
 
-    def __init__(self, config: SamplingConfig) -> None:
+    `processors` is the whole list `generate` applies under `config.do_sample` (warpers included
+    when sampling); `greedy_processors` the list it applies without sampling (majority voting
+    drafts argmax chains under either). Left None, both come from `config` (its warpers only).
+    """
+
+    def __init__(
+        self,
+        config: SamplingConfig,
+        processors: LogitsProcessorList | None = None,
+        greedy_processors: LogitsProcessorList | None = None,
+    ) -> None:
         self.config = config
-        self._warpers = config.warpers()
-        self._dummy_ids = torch.zeros(1, 1, dtype=torch.long)
+        self.processors = config.warpers() if processors is None else processors
+        self.greedy_processors = LogitsProcessorList() if greedy_processors is None else greedy_processors
+        self.needs_history = any(type(p) not in HISTORY_FREE for p in self.processors)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """[N, V] logits -> [N, V] probabilities (float32 or wider)."""
-        scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        ids = self._dummy_ids.to(scores.device).expand(scores.shape[0], 1)
-        scores = self._warpers(ids, scores)
-        return torch.softmax(scores, dim=-1)
+    def greedy(self) -> LogitsToProbs:
+        """The argmax of the scores `generate` would compute without sampling."""
+        return LogitsToProbs(SamplingConfig(do_sample=False), self.greedy_processors, self.greedy_processors)
 
-    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, histories: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] logits -> [N, V] processed float32 scores (`generate` casts logits to float32
+        before processing them); `histories` [N, L] is each row's token sequence so far (needed
+        when `needs_history`)."""
+        scores = logits.float()
+        if not self.processors:
+            return scores
+        if histories is None:
+            if self.needs_history:
+                raise ValueError("these logits processors read the sequence so far: pass its tokens")
+            histories = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
+        histories = histories.to(scores.device)
+        for processor in self.processors:
+            scores = _apply(processor, histories, scores)
+        return scores
+
+    def __call__(self, logits: torch.Tensor, histories: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] logits -> [N, V] float32 probabilities."""
+        return torch.softmax(self.scores(logits, histories), dim=-1)
+
+    def choose(
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+        histories: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[N, V] -> [N] tokens: argmax when greedy, else one sample from the processed distribution."""
+        scores = self.scores(logits, histories)
         if not self.config.do_sample:
-            return logits.argmax(dim=-1)
-        return torch.multinomial(self(logits), 1, generator=generator).squeeze(-1)
+            return scores.argmax(dim=-1)
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
+
+    def tree_scores(
+        self,
+        logits: torch.Tensor,  # [n, V]: the logits at `nodes` (default: every node of `tree`)
+        tree: TokenTree,
+        verified: list[int],  # prompt + verified tokens; the last one is the tree's root
+        nodes: list[int] | range | None = None,
+    ) -> torch.Tensor:
+        """Processed scores [n, V] of tree nodes, each with its own history `verified` + the path
+        to it; one processor call per depth."""
+        nodes = range(len(tree)) if nodes is None else nodes
+        if not self.needs_history:
+            return self.scores(logits)
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        by_depth: dict[int, list[int]] = {}
+        for row, u in enumerate(nodes):
+            by_depth.setdefault(tree.depths[u], []).append(row)
+        for rows in by_depth.values():
+            histories = [verified + [tree.tokens[v] for v in tree.path_to(nodes[r])] for r in rows]
+            index = torch.tensor(rows, device=logits.device)
+            out[index] = self.scores(logits[index], torch.tensor(histories, device=logits.device))
+        return out
+
+
+def _apply(processor: LogitsProcessor, histories: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    if type(processor) in ROW_INDEPENDENT or scores.shape[0] == 1:
+        return processor(histories, scores)
+    return torch.cat([processor(histories[i : i + 1], scores[i : i + 1]) for i in range(scores.shape[0])])

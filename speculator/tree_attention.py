@@ -2,8 +2,9 @@
 
 All nodes of a tree are fed to a model in ONE forward pass, in topological order, with
 position id `past_length + depth(u)` and an additive 4D mask in which node u sees every
-cached position, itself and its ancestors, and nothing else. The logits at node u are then
-the model's next-token distribution after the path root->u.
+cached position, itself and its ancestors, and nothing else; a sliding-window layer sees only
+those within its window of positions (`AttentionLayout`). The logits at node u are then the
+model's next-token distribution after the path root->u.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
+from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.tree import TokenTree, TreeBatch
 
 
@@ -21,15 +23,19 @@ def tree_position_ids(depths: torch.Tensor, offset: int) -> torch.Tensor:
     return depths + offset
 
 
-def tree_attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, 1, Q, prefix_length + K] additive mask from `ancestors` [B, Q, K] (bool, query node x
-    tree node): every query sees the whole prefix and the tree nodes marked in its row."""
-    b, q, k = ancestors.shape
-    allowed = torch.ones(b, q, prefix_length + k, dtype=torch.bool, device=ancestors.device)
-    allowed[:, :, prefix_length:] = ancestors
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=ancestors.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+def tree_attention_mask(
+    ancestors: torch.Tensor,  # [B, Q, K] bool: query node x fed tree node (itself and its ancestors)
+    cached: torch.Tensor,  # [B, P] bool: the cached positions each row's queries may see
+    query_positions: torch.Tensor,  # [B, Q]
+    key_positions: torch.Tensor,  # [B, P + K]: the cached positions, then the tree nodes'
+    dtype: torch.dtype,
+    layout: AttentionLayout | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The `attention_mask` of a tree pass: [B, 1, Q, P + K] additive, or one such mask per layer
+    type when the model mixes full and sliding-window layers (`AttentionLayout.mask`)."""
+    b, q, _ = ancestors.shape
+    allowed = torch.cat([cached[:, None, :].expand(b, q, -1), ancestors], dim=-1)
+    return (layout or AttentionLayout()).mask(allowed, query_positions, key_positions, dtype)
 
 
 @dataclass
@@ -76,13 +82,21 @@ def tree_forward(
     batch = TreeBatch.pack([tree]).to(model.device)
     new = slice(nodes.start, nodes.stop)
     offset = prefix_length - tree.depths[first_cached_node]
+    tree_positions = tree_position_ids(batch.depths[:, first_cached_node : nodes.stop], offset)
+    prefix = torch.arange(prefix_length, device=model.device)[None]
+    mask = tree_attention_mask(
+        batch.ancestors[:, new, first_cached_node : nodes.stop],
+        torch.ones(1, prefix_length, dtype=torch.bool, device=model.device),
+        tree_positions[:, nodes.start - first_cached_node :],
+        torch.cat([prefix, tree_positions], dim=-1),
+        model.dtype,
+        AttentionLayout.of(model),
+    )
     return _forward(
         model,
         cache,
         batch.tokens[:, new],
         output_hidden,
-        attention_mask=tree_attention_mask(
-            batch.ancestors[:, new, first_cached_node : nodes.stop], prefix_length, model.dtype
-        ),
+        attention_mask=mask,
         position_ids=tree_position_ids(batch.depths[:, new], offset),
     )

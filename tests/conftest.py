@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -14,6 +15,7 @@ from transformers import (
     OPTConfig,
     OPTForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
 )
 
 VOCAB = 64
@@ -80,3 +82,27 @@ def tiny_opt(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None
 
 
 ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "opt": tiny_opt}
+
+
+def noisy_copy(model: PreTrainedModel, scale: float, seed: int) -> PreTrainedModel:
+    """`model` with Gaussian noise (relative to each tensor's spread) added to every weight: an SSM
+    that agrees with the LLM often, but not always."""
+    copy = type(model)(model.config).to(model.dtype)
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            spread = p.std() if p.numel() > 1 else p.abs()
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale * spread)
+    return copy.eval()
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,"  # VOCAB characters
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Token i is the character CHARS[i] (no merges): text and ids map one to one, and transformers'
+    stop-string matching understands it."""
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[], unk_token="a"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="a")

@@ -223,8 +223,8 @@ def test_batched_options_are_checked() -> None:
     decoder = SpeculativeDecoder(llm_for("llama", 0), [independent_ssm("llama", 0)])
     with pytest.raises(TypeError, match="unknown generation options"):
         BatchedDecoder(decoder).generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=2, top_n=3)
-    with pytest.raises(ValueError, match="set max_new_tokens"):
-        BatchedDecoder(decoder).generate(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="num_beams"):
+        BatchedDecoder(decoder).generate(torch.ones(2, 3, dtype=torch.long), num_beams=2)
     with pytest.raises(ValueError, match="the prompt is empty"):
         decoder.generate(
             torch.ones(2, 3, dtype=torch.long), torch.tensor([[0, 0, 0], [1, 1, 1]]), max_new_tokens=2

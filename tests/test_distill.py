@@ -360,3 +360,24 @@ def test_use_pool_generates_the_same_outputs_through_the_speculative_decoder(
     with pytest.raises(FileNotFoundError, match="no SSM pool"):
         distill(make_config(str(llm_dir), prompts, use_pool=str(tmp_path / "nowhere")), tmp_path / "bad")
     assert not (tmp_path / "bad").exists()  # checked before the run folder is claimed
+
+
+def test_a_context_refusal_does_not_claim_the_run_folder(
+    llm: str, prompts: str, tmp_path: Path, capsys
+) -> None:
+    """Regression: max_new_tokens filling the whole context was refused after run.json was written,
+    so the corrected command was then refused as 'other settings'."""
+    out = tmp_path / "out"
+    argv = ["--llm", llm, "--prompts", prompts, "--prompt-field", "question", "--out", str(out)]
+    assert main([*argv, "--max-new-tokens", "64"]) == 2  # the context holds 64 positions
+    assert "context" in capsys.readouterr().err and not (out / "run.json").exists()
+    assert main([*argv, "--max-new-tokens", "4"]) == 0
+
+
+def test_a_malformed_jsonl_line_is_reported_with_file_and_line(llm: str, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"question": "a cat"}\n{"question": "a dog"\n{"question": "away"}\n')
+    out = tmp_path / "out"
+    assert main(["--llm", llm, "--prompts", str(path), "--prompt-field", "question", "--out", str(out)]) == 2
+    assert f"{path}:2: not valid JSON" in capsys.readouterr().err
+    assert not (out / "run.json").exists()

@@ -17,6 +17,7 @@ from specboost.decoder import SpeculativeDecoder, SSMPool, StrategyOptions
 from specboost.decoder import pool as pool_module
 from specboost.decoder.pool import MANIFEST_FILE, tokenizer_vocab_hash
 from specboost.decoder.tiny_models import build_tiny_models, build_tokenizer
+from specboost.speculator.loading import LoadError
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
 from specboost.training import export
 
@@ -242,7 +243,7 @@ def test_pool_missing_folder_manifest_ssm(
         raise OSError("offline mode is enabled")
 
     monkeypatch.setattr(pool_module, "snapshot_download", offline)
-    with pytest.raises(OSError, match=r"could not download the SSM pool 'org/pool'.*offline"):
+    with pytest.raises(LoadError, match=r"could not download the SSM pool 'org/pool'.*offline"):
         SSMPool.from_pretrained("org/pool")
 
 

@@ -11,13 +11,12 @@ almost never agrees with it).
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, VOCAB
+from conftest import ARCHITECTURES, VOCAB, noisy_copy
 from transformers import PreTrainedModel
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, SpeculativeOutput, TopologyShape
@@ -45,13 +44,7 @@ def independent_ssm(arch: str, seed: int) -> PreTrainedModel:
 @functools.cache
 def noisy_ssm(arch: str, llm_seed: int, scale: float, seed: int) -> PreTrainedModel:
     """The LLM with Gaussian noise (relative to each tensor's spread) added to every weight."""
-    model = copy.deepcopy(llm_for(arch, llm_seed))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            spread = p.std() if p.numel() > 1 else p.abs()
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale * spread)
-    return model.eval()
+    return noisy_copy(llm_for(arch, llm_seed), scale, seed)
 
 
 def prompt_ids(seed: int, length: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from specboost.decoder.target import TargetState
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
+from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, SSMDrafter, TopologyShape
 from specboost.speculator.kv_cache import compact_cache, crop_cache, new_cache
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
@@ -122,9 +123,9 @@ def test_verifiers_leave_the_llm_cache_at_the_accepted_sequence(arch: str, verif
         tree = TokenTree.root_only(prompt[-1], DraftKind.GREEDY)
         tree.add_sequence(draft, ssm=0)
         if verifier == "stairs":
-            verdict = StairsVerifier().verify(target, tree, GREEDY, None)
+            verdict = StairsVerifier().verify(target, tree, GREEDY, None, Rule.GREEDY)
         else:
-            verdict = TreeVerifier("greedy").verify(target, tree, GREEDY, None)
+            verdict = TreeVerifier("greedy").verify(target, tree, GREEDY, None, Rule.GREEDY)
         assert verdict.accepted == list(range(1, k + 1))
         assert verdict.next_token == greedy[k]
         target.append([tree.tokens[u] for u in verdict.accepted] + [verdict.next_token])

@@ -558,7 +558,7 @@ def test_exact_joint_is_a_distribution(models) -> None:
     """Sanity of the reference: it sums to 1, is spread out, and depends on the context."""
     config = SamplingConfig(do_sample=True, temperature=1.0)
     joint = exact_joint(models["llm"], PROMPT, config, 2)
-    assert float(joint.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert float(joint.sum()) == pytest.approx(1.0, abs=1e-6)  # float32 processing, as generate
     assert 0.05 < float(joint.max()) < 0.5
     second = joint / joint.sum(-1, keepdim=True)
     assert max(tv(second[0], second[t]) for t in range(1, VOCAB)) > 0.1

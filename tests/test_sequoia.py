@@ -312,7 +312,7 @@ def test_sampling_without_replacement_is_lossless(models) -> None:  # noqa: F811
     assert speculator.tree.depth >= 2 and len(speculator.tree.shape.children()[0]) >= 2
     dec = SpeculativeDecoder(models["llm"], [models["ssm_a"]], speculator=speculator)
     check_decoder(dec, 3, seed0=70_000, min_accepted=0.5, temperature=0.8, top_p=0.95)
-    assert dec.verifier.active_rule is Rule.WITHOUT_REPLACEMENT
+    assert dec.verifier.check(speculator.tree_kind(True), True, 1) is Rule.WITHOUT_REPLACEMENT
 
 
 # Command line -------------------------------------------------------------------------------------------

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_gpt2, tiny_llama
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from conftest import VOCAB, char_tokenizer, tiny_gpt2, tiny_llama
+from transformers import GenerationConfig
 
 from specboost.decoder import ChainShape, SpeculativeDecoder
 from specboost.decoder.stopping import StopCriteria
-
-
-def word_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
-    """Token i decodes to the word `<i>`: no word is a substring of another."""
-    tok = Tokenizer(WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>")
 
 
 def test_stop_criteria_keeps_the_stopping_token_and_nothing_after() -> None:
@@ -36,10 +26,10 @@ def test_stop_criteria_length() -> None:
 
 
 def test_stop_string_cuts_after_the_completing_token() -> None:
-    llm, ssm, tok = tiny_llama(2, 0), tiny_llama(1, 1), word_tokenizer()
+    llm, ssm, tok = tiny_llama(2, 0), tiny_llama(1, 1), char_tokenizer()
     prompt = torch.tensor([[5, 9, 11]])
     ref = llm.generate(prompt, do_sample=False, max_new_tokens=20)[0, 3:].tolist()
-    stop_word = f"<{ref[6]}>"
+    stop_word = tok.decode([ref[6]])
     first = ref.index(ref[6])
     dec = SpeculativeDecoder(llm, [ssm], tokenizer=tok, shape=ChainShape(3))
     out = dec.generate(prompt, max_new_tokens=20, stop_strings=[stop_word])
@@ -102,5 +92,5 @@ def test_generation_config_supplies_unset_options_and_arguments_override_it() ->
     assert out.finish_reason == "eos" and out.sequences[0, -1].item() == eos
     out = dec.generate(prompt, generation_config=config, eos_token_id=[], max_new_tokens=12)
     assert torch.equal(out.sequences, ref) and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="set max_new_tokens"):
-        dec.generate(prompt)
+    # Nothing set: generate's default of 20 new tokens.
+    assert torch.equal(dec.generate(prompt).sequences, llm.generate(prompt, do_sample=False))

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
+from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.kv_cache import new_cache
 from specboost.speculator.tree import DraftKind, TokenTree, TreeBatch
 from specboost.speculator.tree_attention import (
@@ -65,12 +66,24 @@ def ancestors_of(tree: TokenTree, u: int) -> set[int]:
 DTYPES = st.sampled_from([torch.float64, torch.float32, torch.float16])
 
 
+def single_tree_mask(
+    ancestors: torch.Tensor, prefix: int, dtype: torch.dtype, layout: AttentionLayout | None = None
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask of trees after a fully visible prefix, nodes at position prefix + index (a chain
+    layout of positions is enough for the structural checks)."""
+    b, q, k = ancestors.shape
+    keys = torch.arange(prefix + k).expand(b, -1)
+    return tree_attention_mask(
+        ancestors, torch.ones(b, prefix, dtype=torch.bool), keys[:, prefix + k - q :], keys, dtype, layout
+    )
+
+
 @given(st.lists(trees(max_nodes=12), min_size=1, max_size=3), st.integers(0, 9), DTYPES)
 def test_mask_shows_each_node_the_prefix_itself_and_its_ancestors(
     batch_trees: list[TokenTree], prefix: int, dtype: torch.dtype
 ) -> None:
     batch = TreeBatch.pack(batch_trees)
-    mask = tree_attention_mask(batch.ancestors, prefix, dtype)
+    mask = single_tree_mask(batch.ancestors, prefix, dtype)
     b, n = len(batch_trees), max(len(t) for t in batch_trees)
     assert mask.shape == (b, 1, n, prefix + n) and mask.dtype == dtype
     assert set(mask.unique().tolist()) <= {0.0, torch.finfo(dtype).min}
@@ -94,13 +107,38 @@ def test_mask_for_a_slice_of_nodes_with_cached_tree_nodes(
     start = data.draw(st.integers(first_cached, n - 1))
     stop = data.draw(st.integers(start + 1, n))
     ancestors = TreeBatch.pack([tree]).ancestors[:, start:stop, first_cached:stop]
-    visible = tree_attention_mask(ancestors, prefix, torch.float64)[0, 0] == 0
+    visible = single_tree_mask(ancestors, prefix, torch.float64)[0, 0] == 0
     assert visible.shape == (stop - start, prefix + stop - first_cached)
     for row, u in enumerate(range(start, stop)):
         expected = set(range(prefix)) | {
             prefix + v - first_cached for v in ancestors_of(tree, u) if v >= first_cached
         }
         assert set(torch.nonzero(visible[row]).flatten().tolist()) == expected
+
+
+@given(trees(max_nodes=12), st.integers(0, 12), st.integers(1, 8))
+def test_sliding_window_hides_keys_a_window_or_more_positions_back(
+    tree: TokenTree, prefix: int, window: int
+) -> None:
+    """A sliding-window layer sees what a full layer sees, minus keys whose position is <= the
+    query's position - window (positions: prefix + depth, not indices); a model mixing layer
+    types gets one mask per type."""
+    batch = TreeBatch.pack([tree])
+    positions = tree_position_ids(batch.depths, prefix)  # [1, N]
+    keys = torch.cat([torch.arange(prefix)[None], positions], dim=-1)
+    cached = torch.ones(1, prefix, dtype=torch.bool)
+    layout = AttentionLayout(window, ("full_attention", "sliding_attention"), per_type=True)
+    masks = tree_attention_mask(batch.ancestors, cached, positions, keys, torch.float32, layout)
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    full, sliding = (masks[kind][0, 0] == 0 for kind in ("full_attention", "sliding_attention"))
+    for u in range(len(tree)):
+        query = prefix + tree.depths[u]
+        for key in range(prefix + len(tree)):
+            near = int(keys[0, key]) > query - window
+            assert bool(sliding[u, key]) == (bool(full[u, key]) and near)
+    only = AttentionLayout(window, ("sliding_attention",))
+    single = tree_attention_mask(batch.ancestors, cached, positions, keys, torch.float32, only)
+    assert torch.equal(single, masks["sliding_attention"])
 
 
 @given(st.lists(trees(max_nodes=14), min_size=1, max_size=3), st.integers(0, 50))

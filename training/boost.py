@@ -57,9 +57,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -71,7 +69,7 @@ from transformers import (
 )
 from transformers.integrations import unset_hf_deepspeed_config
 
-from specboost.speculator.model_info import check_model_location
+from specboost.speculator.loading import load_causal_lm, load_config, load_tokenizer
 from specboost.training.distill import load_distilled
 from specboost.training.reference_llm import last_checkpoint
 from specboost.training.run_files import library_versions, write_json_atomic
@@ -298,7 +296,7 @@ def sized_ssm_config(
 
 def check_base_vocab(base: str, llm_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """An SSM must draft in the LLM's vocabulary: same output size and, if it has one, same tokenizer."""
-    base_vocab = AutoConfig.from_pretrained(base).get_text_config().vocab_size
+    base_vocab = load_config(base).get_text_config().vocab_size
     llm_vocab = llm_config.get_text_config().vocab_size
     if base_vocab != llm_vocab:
         raise ValueError(
@@ -307,8 +305,8 @@ def check_base_vocab(base: str, llm_config: PretrainedConfig, tokenizer: PreTrai
             "or drop --ssm-base to build SSMs from a config sized for the LLM"
         )
     try:
-        base_tokenizer = AutoTokenizer.from_pretrained(base)
-    except (OSError, ValueError):
+        base_tokenizer = load_tokenizer(base)
+    except ValueError:
         return  # weights only: the LLM's tokenizer is saved with every SSM
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(
@@ -321,7 +319,7 @@ def build_ssm(config: BoostConfig, ssm_config: LlamaConfig | None, round_index: 
     """A fresh SSM for round `round_index` (seeded), from the base or the sized config."""
     transformers.set_seed(config.seed + round_index)
     if config.ssm_base is not None:
-        model = AutoModelForCausalLM.from_pretrained(config.ssm_base, dtype=torch.float32)
+        model = load_causal_lm(config.ssm_base, torch.float32).train()
     else:
         assert ssm_config is not None
         model = LlamaForCausalLM(ssm_config)
@@ -562,14 +560,13 @@ def add_hits(pool_hits: dict[int, torch.Tensor], hits: dict[int, torch.Tensor]) 
 
 def setup(config: BoostConfig) -> tuple[PreTrainedTokenizerBase, LlamaConfig | None, list[dict[str, Any]]]:
     """The LLM's tokenizer and config (its weights are not needed), the SSM config, the data."""
-    llm = check_model_location(config.llm)
-    tokenizer = AutoTokenizer.from_pretrained(llm)
+    tokenizer = load_tokenizer(config.llm)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id works
-    llm_config = AutoConfig.from_pretrained(llm)
+    llm_config = load_config(config.llm)
     ssm_config = None
     if config.ssm_base is not None:
-        check_base_vocab(check_model_location(config.ssm_base), llm_config, tokenizer)
+        check_base_vocab(config.ssm_base, llm_config, tokenizer)
     else:
         ssm_config = sized_ssm_config(llm_config, SSM_PRESETS[config.ssm_config], tokenizer)
     return tokenizer, ssm_config, load_rows(config.distilled)

@@ -23,6 +23,7 @@ Example (a bundled set; data/README.md lists them all):
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -189,6 +190,26 @@ def _looks_local(path: str) -> bool:
     return True
 
 
+def _bad_json_line(files: list[str]) -> str | None:
+    """'FILE:LINE: what is wrong' for the first line of JSON Lines files that is no JSON object."""
+    for file in files:
+        with open(file, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.strip())
+                except json.JSONDecodeError as error:
+                    return (
+                        f"{file}:{number}: not valid JSON ({error.msg} at column {error.colno}); fix the line"
+                    )
+                if not isinstance(record, dict):
+                    return (
+                        f"{file}:{number}: a JSON Lines prompt must be an object, got {type(record).__name__}"
+                    )
+    return None
+
+
 def load_records(source: PromptSource) -> Dataset:
     """The source's raw records, as `datasets` reads them (one column per field)."""
     path = Path(source.path).expanduser()
@@ -196,8 +217,9 @@ def load_records(source: PromptSource) -> Dataset:
         builder, files = _local_files(path)
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=source.cache_dir)
-        except Exception as e:  # datasets raises many kinds; say which file could not be read
-            raise ValueError(f"could not read {source.path!r} as {builder}: {e}") from e
+        except Exception as e:  # datasets raises many kinds; say which file (and line) could not be read
+            where = _bad_json_line(files) if builder == "json" else None
+            raise ValueError(where or f"could not read {source.path!r} as {builder}: {e}") from e
     elif _looks_local(source.path):
         raise FileNotFoundError(f"prompt file {source.path!r} does not exist")
     else:

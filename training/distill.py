@@ -50,11 +50,12 @@ import transformers
 from accelerate import Accelerator
 from datasets import Dataset
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.pool import SSMPool
-from specboost.speculator.model_info import check_model_location, context_length
+from specboost.speculator.loading import load_causal_lm, load_tokenizer
+from specboost.speculator.model_info import context_length
 from specboost.speculator.padding import left_pad
 from specboost.training.data import (
     BUNDLED_PROMPT_SETS,
@@ -141,15 +142,13 @@ def prompt_source(config: DistillConfig) -> PromptSource:
 
 
 def load_llm(config: DistillConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    location = check_model_location(config.llm)
-    tokenizer = AutoTokenizer.from_pretrained(location)
+    tokenizer = load_tokenizer(config.llm)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {config.llm} has neither a pad nor an eos token: set one")
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id works
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=DTYPES[config.dtype])
-    return model.eval(), tokenizer
+    return load_causal_lm(config.llm, DTYPES[config.dtype]), tokenizer
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -388,8 +387,9 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     # Without a GPU, accelerate treats processes started by torchrun as independent single-process
     # runs (each generating every prompt) unless told to use the CPU: then they form one gloo group.
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    # 1. Load (and so validate) the LLM and the prompts' train split before the settings claim
-    #    the run folder: a bad path must not leave a run folder that refuses the corrected command.
+    # 1. Load (and so validate) the LLM, the prompts' train split and their token budget in the
+    #    LLM's context before the settings claim the run folder: a bad path or setting must not
+    #    leave a run folder that refuses the corrected command.
     model, tokenizer = load_llm(config)
     pool = (
         None if config.use_pool is None else load_pool(config.use_pool, model, tokenizer, accelerator.device)
@@ -397,14 +397,14 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     source = prompt_source(config)
     with accelerator.main_process_first():  # one process fills the datasets cache, the others read it
         splits = load_prompt_splits(source, tokenizer)
-    if accelerator.is_main_process:
-        claim_run_folder(out, config.identity())
-    accelerator.wait_for_everyone()
     context = context_length(model)
     budget = (context - config.max_new_tokens) if context else 1 << 30
     tokenized = tokenize_prompts(
         splits[SPLIT], tokenizer, budget, add_special_tokens=not config.chat_template
     )
+    if accelerator.is_main_process:
+        claim_run_folder(out, config.identity())
+    accelerator.wait_for_everyone()
 
     # 2. Skip prompts already in a complete shard; each process takes its share of the rest. Every
     #    process must see the same shards, so none may write one before all have read them.

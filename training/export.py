@@ -34,10 +34,11 @@ import huggingface_hub
 import torch
 import transformers
 from huggingface_hub import HfApi, get_token
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from specboost.decoder.pool import FORMAT_VERSION, MANIFEST_FILE, tokenizer_vocab_hash
 from specboost.speculator.cost_model import PROFILE_FILE
+from specboost.speculator.loading import load_causal_lm, load_config, load_tokenizer
 from specboost.speculator.model_info import output_vocab_size
 from specboost.speculator.predictor import PREDICTOR_DIR
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
@@ -99,14 +100,14 @@ def describe_llm(record: dict[str, Any], boost: Path) -> LLMInfo:
     llm = str(record["llm"])
     ssm_dirs = [boost / entry["path"] for entry in record["rounds"]]
     llm_local = (Path(llm) / "config.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(llm if llm_local else ssm_dirs[0])
+    tokenizer = load_tokenizer(llm if llm_local else ssm_dirs[0])
     vocab_hash = tokenizer_vocab_hash(tokenizer)
     for ssm_dir in ssm_dirs:
-        if tokenizer_vocab_hash(AutoTokenizer.from_pretrained(ssm_dir)) != vocab_hash:
+        if tokenizer_vocab_hash(load_tokenizer(ssm_dir)) != vocab_hash:
             raise ValueError(
                 f"the tokenizer in {ssm_dir} differs from the LLM {llm}'s: the pool is inconsistent"
             )
-    config = AutoConfig.from_pretrained(llm if llm_local else ssm_dirs[0]).get_text_config()
+    config = load_config(llm if llm_local else ssm_dirs[0]).get_text_config()
     return LLMInfo(llm, int(config.vocab_size), vocab_hash, describe_training_data(record))
 
 
@@ -271,14 +272,14 @@ def export_ssm(boost: Path, tmp: Path, entry: dict[str, Any], index: int, card: 
         raise FileNotFoundError(
             f"boost round {index + 1} names {source}, which holds no model (no config.json)"
         )
-    model = AutoModelForCausalLM.from_pretrained(source)
+    model = load_causal_lm(source)
     if output_vocab_size(model) != vocab_size:
         raise ValueError(
             f"SSM {source} predicts {output_vocab_size(model)} tokens but the LLM has {vocab_size}: "
             "the pool does not match its LLM"
         )
     model.save_pretrained(target)
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(source)
+    tokenizer: PreTrainedTokenizerBase = load_tokenizer(source)
     tokenizer.save_pretrained(target)
     (target / README_FILE).write_text(card)
 

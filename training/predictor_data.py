@@ -44,10 +44,11 @@ from typing import Any
 import torch
 from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specboost.decoder.validation import check_same_vocabulary
 from specboost.speculator.beam_search import beam_match_lengths
+from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.model_info import check_model_location
 from specboost.speculator.predictor import DEPTHS, WIDTHS
 from specboost.training.distill import claim_run_folder, load_distilled, read_shards, write_shard
@@ -158,9 +159,9 @@ def sample_rows(
 def load_models(config: PredictorDataConfig) -> tuple[PreTrainedModel, list[PreTrainedModel], int]:
     for path in (config.llm, *config.ssms):
         check_model_location(path)
-    llm = AutoModelForCausalLM.from_pretrained(config.llm).eval()
-    tokenizer = AutoTokenizer.from_pretrained(config.llm)
-    ssms = [AutoModelForCausalLM.from_pretrained(path).eval() for path in config.ssms]
+    llm = load_causal_lm(config.llm)
+    tokenizer = load_tokenizer(config.llm)
+    ssms = [load_causal_lm(path) for path in config.ssms]
     for i, ssm in enumerate(ssms):
         check_same_vocabulary(llm, ssm, i, tokenizer, None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

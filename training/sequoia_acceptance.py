@@ -67,7 +67,7 @@ def without_replacement_counts(
     p_rows = probs(llm_logits)  # [N, V]
     for p, logits in zip(p_rows, ssm_logits, strict=True):
         for _ in range(simulations):
-            tokens, q = SSMDrafter.sample_children(logits, k, probs, generator)
+            tokens, q = SSMDrafter.sample_children(probs.scores(logits[None])[0], k, True, generator)
             tree = TokenTree.root_only(-1, DraftKind.SAMPLED_WITHOUT_REPLACEMENT)
             for token in tokens:
                 tree.add_child(0, token, 0, q)
