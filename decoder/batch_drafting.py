@@ -24,12 +24,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
+from specboost.decoder.verify import Rule
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.length_control import LengthController, make_length_controller
 from specboost.speculator.shapes import ChainShape
 from specboost.speculator.speculation import DraftRequest, PoolSpeculator, Speculator, StepFeedback
-from specboost.speculator.tree import TokenTree
+from specboost.speculator.tree import ChainDraft, TokenTree
 
 _NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType)
 # The setting that holds the initial length, per length controller.
@@ -45,9 +47,11 @@ class GroupDrafting(Protocol):
     def retain(self, rows: list[SequenceState], keep: list[int]) -> None:
         """Keep only rows `keep` (indices into `rows`, the rows before the call)."""
 
-    def propose(self, rows: list[SequenceState], depths: list[int], length: int | None) -> list[TokenTree]:
-        """One tree per row, at most `depths[b]` deep; `length` is the batch's chain length
-        (None: the strategy's own shape)."""
+    def propose(
+        self, rows: list[SequenceState], depths: list[int], length: int | None
+    ) -> list[TokenTree] | ChainDraft:
+        """One tree per row, at most `depths[b]` deep (or one SSM's greedy chains, still on the
+        device); `length` is the batch's chain length (None: the strategy's own shape)."""
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         """What the LLM accepted of each row's tree."""
@@ -87,9 +91,11 @@ def ssm_generator(seed: int | None, index: int, device: torch.device) -> torch.G
 class BatchedChainDrafting:
     """The pool's chains, drafted for every row at once by each SSM (see the module doc)."""
 
-    def __init__(self, speculator: PoolSpeculator) -> None:
+    def __init__(self, speculator: PoolSpeculator, calls: ModelCalls) -> None:
         self.shape = speculator.shape
-        self.drafters = [BatchedChainDrafter(d.model, d.index) for d in speculator.drafters]
+        self.drafters = [
+            BatchedChainDrafter(d.model, d.index, calls.get(d.model)) for d in speculator.drafters
+        ]
         self.generators: list[list[torch.Generator | None]] = [[] for _ in self.drafters]
 
     def add(self, rows: list[SequenceState]) -> None:
@@ -102,9 +108,18 @@ class BatchedChainDrafting:
             drafter.select(keep)
             self.generators[i] = [self.generators[i][r] for r in keep]
 
-    def propose(self, rows: list[SequenceState], depths: list[int], length: int | None) -> list[TokenTree]:
+    def propose(
+        self, rows: list[SequenceState], depths: list[int], length: int | None
+    ) -> list[TokenTree] | ChainDraft:
         length = self.shape.length if length is None else length
         lengths = [min(length, depth) for depth in depths]
+        if len(self.drafters) == 1 and all(
+            row.rule is Rule.GREEDY and not row.probs.processors for row in rows
+        ):
+            # One SSM's greedy chains stay on the device until the verifier reads them back.
+            drafter = self.drafters[0]
+            tokens, lengths = drafter.draft_greedy([row.tokens for row in rows], lengths)
+            return ChainDraft([row.tokens[-1] for row in rows], tokens, lengths, drafter.index)
         trees = [
             TokenTree.root_only(row.tokens[-1], self.shape.kind(row.probs.config.do_sample)) for row in rows
         ]
@@ -123,15 +138,20 @@ class BatchedChainDrafting:
 
 
 class PerSequenceDrafting:
-    """A copy of the decoder's speculator per row (models shared), each drafting alone."""
+    """A copy of the decoder's speculator per row (models shared), each drafting alone; with
+    `shared`, the single row drafts with the decoder's speculator itself (so that what it learns,
+    such as majority weights, carries over to the next `generate`)."""
 
-    def __init__(self, speculator: Speculator) -> None:
+    def __init__(self, speculator: Speculator, shared: bool = False) -> None:
         self.prototype = speculator
+        self.shared = shared
         self.chains = drafts_chains(speculator)
         self._spare: list[Speculator] = []  # copies of rows that left, for reuse
         self.speculators: list[Speculator] = []  # per row
 
     def _copy(self) -> Speculator:
+        if self.shared and not self.speculators:
+            return self.prototype
         if self._spare:
             return self._spare.pop()
         clone = share_modules_deepcopy(self.prototype)
@@ -166,11 +186,13 @@ class PerSequenceDrafting:
         return self.speculators[row].report()
 
 
-def make_drafting(speculator: Speculator, batched: bool) -> GroupDrafting:
-    """`BatchedChainDrafting` for the pool's chains (when `batched`), else `PerSequenceDrafting`."""
-    if batched and type(speculator) is PoolSpeculator and isinstance(speculator.shape, ChainShape):
-        return BatchedChainDrafting(speculator)
-    return PerSequenceDrafting(speculator)
+def make_drafting(speculator: Speculator, batched: bool, calls: ModelCalls, rows: int) -> GroupDrafting:
+    """`BatchedChainDrafting` for the pool's fixed-length chains (when `batched`), else
+    `PerSequenceDrafting` (sharing the decoder's speculator for a group of one row)."""
+    fixed_chains = type(speculator) is PoolSpeculator and isinstance(speculator.shape, ChainShape)
+    if batched and fixed_chains and (rows > 1 or speculator.length_controller is None):
+        return BatchedChainDrafting(speculator, calls)
+    return PerSequenceDrafting(speculator, shared=rows == 1)
 
 
 def share_modules_deepcopy(obj: object) -> object:

@@ -191,6 +191,7 @@ class RunRecord:
     draft_tokens: int | None = None  # ours only: HF assisted does not report them
     accepted_tokens: int | None = None
     stats: dict | None = None  # ours: the DecodeStats (DecodeStats.to_dict)
+    compilations: int = 0  # graphs torch.compile built during this timed run (0 when warmed up)
 
 
 @dataclass
@@ -298,6 +299,7 @@ class Method:
     description: str
     # (input_ids [B, L], attention_mask [B, L]); B > 1 only for batched methods (left padding)
     run: Callable[[torch.Tensor, torch.Tensor], MethodResult]
+    compiled: bool = False  # runs torch.compile'd graphs: warmed up on every prompt before timing
 
 
 class ForwardCounter:
@@ -499,19 +501,29 @@ def measure(
     repeats: int,
     warmup: int,
     log: Callable[[str], None],
+    warmup_seconds: dict[str, float] | None = None,
 ) -> list[RunRecord]:
-    """Run every method on every prompt, interleaved; methods[0] is the reference output."""
+    """Run every method on every prompt, interleaved; methods[0] is the reference output. A compiled
+    method warms up on every prompt (its graphs are built then, untimed); `warmup_seconds` gets each
+    method's warm-up wall time (compilation included)."""
     device = encoded[0].input_ids.device
     log(f"{len(methods)} methods, {len(encoded)} prompts, {repeats} repeats, {warmup} warm-up")
     records: list[RunRecord] = []
     with torch.inference_mode():
         for _ in range(warmup):
             for method in methods:
-                method.run(encoded[0].input_ids, encoded[0].attention_mask)
+                start = time.perf_counter()
+                for enc in encoded if method.compiled else encoded[:1]:
+                    method.run(enc.input_ids, enc.attention_mask)
+                if warmup_seconds is not None:
+                    warmup_seconds[method.name] = (
+                        warmup_seconds.get(method.name, 0.0) + time.perf_counter() - start
+                    )
         for index, enc in enumerate(encoded):
             reference: list[int] | None = None
             for repeat in range(repeats):
                 for method in methods:  # interleaved, so drifts in machine speed hit every method alike
+                    graphs = compiled_graphs()
                     result, seconds = _timed(method, enc.input_ids, enc.attention_mask, device)
                     if method is methods[0] and reference is None:
                         reference = result.tokens
@@ -527,10 +539,16 @@ def measure(
                             draft_tokens=result.draft_tokens,
                             accepted_tokens=result.accepted_tokens,
                             stats=result.stats,
+                            compilations=compiled_graphs() - graphs,
                         )
                     )
             log(f"prompt {index + 1}/{len(encoded)} done")
     return records
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 # Summary --------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """`SpeculativeDecoder`: lossless speculative decoding of any Hugging Face causal LM with a
 pool of SSMs, verified as one token tree per LLM pass (ALGORITHMS.md sections 1-3, 12).
 
-The loop (`_decode`) has four steps: draft a tree, verify it in one LLM pass, emit the accepted
-tokens (applying the stopping criteria), and report back to the speculation strategy.
+`generate` resolves the options of each sequence (`decoder/sequence.py`) and runs the one decode
+loop (`decoder/loop.py`): a single sequence is a group of one, a batch a group of several.
 """
 
 from __future__ import annotations
@@ -10,17 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from specboost.decoder.batched import BatchedDecoder, BatchedOutput
+from specboost.decoder.compilation import CompileSetting, ModelCalls, compile_by_default
+from specboost.decoder.loop import decode
 from specboost.decoder.pool import SSMPool
-from specboost.decoder.sequence import SequenceState, new_sequence
-from specboost.decoder.stats import DecodeStats, PhaseTimer
-from specboost.decoder.stopping import StopCriteria
+from specboost.decoder.sequence import new_sequence
+from specboost.decoder.stats import DecodeStats
 from specboost.decoder.strategies import StrategyInputs, StrategyOptions, make_speculator
-from specboost.decoder.target import TargetState
 from specboost.decoder.validation import (
     check_causal_lm,
     check_generate_arguments,
@@ -35,11 +36,7 @@ from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import DraftShape
-from specboost.speculator.speculation import DraftRequest, Speculator, StepFeedback
-from specboost.speculator.tree import TokenTree
-
-if TYPE_CHECKING:
-    from specboost.decoder.batched import BatchedOutput
+from specboost.speculator.speculation import Speculator, ssm_drafters
 
 
 @dataclass
@@ -78,6 +75,9 @@ class SpeculativeDecoder:
             "pool", "majority" and "pruned" at every step (ALGORITHMS.md section 7).
         strategy_options: `StrategyOptions`, the less common settings (pruning budget, Sequoia
             tree size and acceptance vector, majority weight update).
+        compile: compile the LLM's verify pass and the SSMs' drafting passes with `torch.compile`
+            at bucketed shapes (`decoder/compilation.py`); "auto" compiles on CUDA only. Call
+            `warmup` to compile before timing.
     """
 
     def __init__(
@@ -97,6 +97,7 @@ class SpeculativeDecoder:
         force_profile: bool = False,
         length_controller: LengthController | str | None = None,
         strategy_options: StrategyOptions | None = None,
+        compile: CompileSetting = "auto",
     ) -> None:
         check_causal_lm(llm, "LLM")
         check_shape(shape)
@@ -135,6 +136,12 @@ class SpeculativeDecoder:
         )
         self.verifier: Verifier = StairsVerifier() if verification == "stairs" else TreeVerifier(rule)
         self.max_positions = context_length(llm)
+        if compile not in (True, False, "auto"):
+            raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
+        enabled = compile_by_default(self.llm.device) if compile == "auto" else compile
+        self.calls = ModelCalls([self.llm, *self.ssms], enabled)
+        for drafter in ssm_drafters(self.speculator):
+            drafter.compiled = self.calls.get(drafter.model)
 
     # Generation ----------------------------------------------------------------------------------
     def generate(
@@ -170,69 +177,20 @@ class SpeculativeDecoder:
         )
         check_generate_arguments(input_ids, attention_mask, options, seed, output_vocab_size(self.llm))
         if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            from specboost.decoder.batched import BatchedDecoder  # it imports this module
-
             batched = BatchedDecoder(self)
             return batched.generate(
                 input_ids, attention_mask, generation_config=generation_config, seed=seed, **options
             )
         mask = None if attention_mask is None else attention_mask.reshape(-1)
         row = new_sequence(self, input_ids.reshape(-1), mask, generation_config, options, seed)
-        return self._decode(row)
+        decode(self, [row])
+        sequences = torch.tensor([row.tokens], dtype=torch.long, device=self.llm.device)
+        return SpeculativeOutput(sequences, row.stats, row.finish_reason)
 
-    def _decode(self, row: SequenceState) -> SpeculativeOutput:
+    def warmup(self, prompt_length: int = 16, max_new_tokens: int = 16, do_sample: bool = False) -> float:
+        """Run one short generation so that compiled graphs for the usual shapes exist (and caches
+        are allocated) before anything is timed; returns its wall time in seconds."""
         start = time.perf_counter()
-        timer = PhaseTimer(self.llm.device)
-        stats, stop = row.stats, row.stop
-        with timer.phase("other"):
-            self.speculator.reset(row.seed)
-            target = TargetState(self.llm, row.tokens, keep_hidden=self.speculator.wants_hidden)
-        while stop.finish_reason is None:
-            # 1. Draft a token tree (no deeper than the tokens still wanted or the context allows).
-            with timer.phase("draft"):
-                request = DraftRequest(target.tokens, self._max_depth(target, stop), row.probs, target.hidden)
-                tree = self.speculator.propose(request)
-            # 2. Verify it in one LLM pass; the LLM cache keeps prefix + accepted path.
-            verify_start = timer.seconds["verify"]
-            with timer.phase("verify"):
-                verdict = self.verifier.verify(target, tree, row.probs, row.generator, row.rule)
-            with timer.phase("other"):
-                # 3. Emit accepted tokens and the LLM's own token, up to the first stopping point.
-                emitted = [tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
-                target.append(stop.extend(emitted))
-                # 4. Feedback to the strategy, and statistics.
-                self.speculator.observe(
-                    StepFeedback(tree, verdict.accepted, timer.seconds["verify"] - verify_start)
-                )
-                record_step(stats, tree, verdict.accepted)
-                if self.max_positions is not None and len(target.tokens) > self.max_positions:
-                    stop.finish_reason = stop.finish_reason or "length"
-        stats.new_tokens = len(stop.generated)
-        stats.time_draft, stats.time_verify = timer.seconds["draft"], timer.seconds["verify"]
-        stats.time_other = timer.seconds["other"]
-        stats.time_total = time.perf_counter() - start
-        stats.strategy = self.speculator.report()
-        sequences = torch.tensor([target.tokens], dtype=torch.long, device=self.llm.device)
-        return SpeculativeOutput(sequences, stats, stop.finish_reason)
-
-    def _max_depth(self, target: TargetState, stop: StopCriteria) -> int:
-        """Drafting deeper than the tokens still wanted (one comes from the LLM) is wasted work,
-        and positions past the context do not exist (the root sits at position len - 1)."""
-        depth = stop.remaining - 1
-        if self.max_positions is not None:
-            depth = min(depth, self.max_positions - len(target.tokens))
-        return depth
-
-
-def record_step(stats: DecodeStats, tree: TokenTree, accepted: list[int]) -> None:
-    """Count one verification step of `tree` in `stats` (ALGORITHMS.md section 13)."""
-    stats.llm_steps += 1
-    stats.draft_tokens += tree.num_draft_tokens
-    stats.accepted_tokens += len(accepted)
-    stats.match_lengths.append(len(accepted))
-    for u in range(1, len(tree)):
-        for ssm in tree.ssms[u]:
-            stats.proposed_per_ssm[ssm] += 1
-    for u in accepted:
-        for ssm in tree.ssms[u]:
-            stats.accepted_per_ssm[ssm] += 1
+        ids = torch.ones(1, prompt_length, dtype=torch.long, device=self.llm.device)
+        self.generate(ids, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=0 if do_sample else None)
+        return time.perf_counter() - start

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig
 
-from specboost.decoder.batched import BatchConfig, SequenceGroup
+from specboost.decoder.loop import BatchConfig, SequenceGroup
 from specboost.decoder.sequence import SequenceState, new_sequence
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.validation import check_generate_arguments, output_vocab_size

@@ -2,9 +2,9 @@
 
     specboost profile --llm PATH --pool POOL_DIR            # writes POOL_DIR/hardware_profile.json
 
-Everything is timed through the decoder's own code paths: L_verify(n) is `TargetState`'s tree
-pass over an n-node tree after `prefix_length` cached tokens, followed by the cache compaction a
-real step does; L_speculate(b, d) is `SSMDrafter.draft` of a beam tree after the same prefix
+Everything is timed through the decoder's own code paths: L_verify(n) is the LLM's `TreeCache`
+pass over an n-node tree after `prefix_length` cached tokens, followed by the commit a real step
+does (the root kept); L_speculate(b, d) is `SSMDrafter.draft` of a beam tree after the same prefix
 (the steady-state cache catch-up of one token included). Each number is the median of `repeats`
 timed runs after one warm-up run; CUDA is synchronised around every run.
 """
@@ -21,15 +21,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from specboost.decoder.target import TargetState
 from specboost.decoder.validation import model_name
 from specboost.speculator.cost_model import CostModel, device_key
 from specboost.speculator.drafter import SSMDrafter
-from specboost.speculator.kv_cache import crop_cache
+from specboost.speculator.kv_cache import TreeCache, capacity_for
 from specboost.speculator.predictor import DEPTHS, WIDTHS
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import BeamShape, ChainShape
-from specboost.speculator.tree import TokenTree
+from specboost.speculator.tree import TokenTree, TreeBatch
 
 
 @dataclass(frozen=True)
@@ -98,12 +97,14 @@ def profile(
     prefix = torch.randint(vocab, (config.prefix_length,), generator=gen).tolist()
     device = llm.device
     sizes = sorted(set(config.verify_sizes))
-    target = TargetState(llm, prefix)
+    target = TreeCache(llm, 1, capacity_for(len(prefix) + max(sizes)))
+    target.feed_chains([prefix[:-1]], eager=True)
 
     def verify(tree: TokenTree) -> None:
-        target.tree_logits(tree)
-        target.keep_accepted([])  # what a step does after the pass...
-        crop_cache(target.cache, target.prefix_length)  # ...then back to the same prefix
+        batch = TreeBatch.pack([tree], device=device)
+        target.feed(batch.tokens, target.lengths[0] + batch.depths, batch.ancestors)
+        target.commit([[0]])  # what a step does after the pass...
+        target.truncate(0, len(prefix) - 1)  # ...then back to the same prefix
 
     runs: dict[str, Callable[[], object]] = {}
     for size in sizes:

@@ -33,7 +33,7 @@ import torch
 
 from specboost.decoder.bench import GREEDY, Decoding, machine_info, measure
 from specboost.decoder.suite_fixture import FIXTURES, FixtureBuild, build_fixture
-from specboost.decoder.suite_methods import Shapes, SuiteModels, build_methods
+from specboost.decoder.suite_methods import Shapes, SuiteModels, build_methods, ssm_token_seconds
 from specboost.decoder.suite_plots import (
     plot_acceptance_by_position,
     plot_speedup,
@@ -41,7 +41,7 @@ from specboost.decoder.suite_plots import (
     plot_tokens_per_step,
     weight_histories,
 )
-from specboost.decoder.suite_report import Cell, CellRun, Table, markdown_table, tables
+from specboost.decoder.suite_report import Cell, CellRun, Table, draft_cost_line, markdown_table, tables
 from specboost.decoder.suite_workloads import (
     CATEGORIES,
     Workload,
@@ -72,6 +72,7 @@ class SuiteConfig:
     dtype: str = "float32"
     device: str = "cpu"
     shapes: Shapes = field(default_factory=Shapes)
+    compiled: bool = True  # also the torch.compile'd rows (plain_compiled, chain[i]+compiled, ...)
 
     def __post_init__(self) -> None:
         if self.fixture not in FIXTURES:
@@ -116,7 +117,9 @@ class SuiteConfig:
 
 SUITES: dict[str, SuiteConfig] = {
     "default": SuiteConfig(),
-    "quick": SuiteConfig(fixture="tiny", prompts_per_category=3, max_new_tokens=48, repeats=2),
+    "quick": SuiteConfig(
+        fixture="tiny", prompts_per_category=3, max_new_tokens=48, repeats=2, compiled=False
+    ),
 }
 
 
@@ -187,9 +190,12 @@ def run_suite(
                 runs += _run_cells(
                     config, models, workloads, decoding, batch_size, skipped.setdefault(key, {}), log
                 )
+        probe = encode_batches(workloads[0].prompts[:1], models.tokenizer, 1, config.max_prompt_tokens)[0]
+        ssm_seconds = ssm_token_seconds(models.pool, probe.input_ids.to(config.device), config.repeats)
     finally:
         torch.set_num_threads(previous_threads)
     model_info = {"llm": str(llm), "pool": str(pool), "parameters": models.parameters()}
+    model_info["ssm_token_seconds"] = ssm_seconds
     report = SuiteReport(config, machine, model_info, build, runs, skipped)
     report.seconds = time.perf_counter() - start
     return report
@@ -220,7 +226,13 @@ def _run_cells(
         ]
         if method_set is None:
             method_set = build_methods(
-                models, decoding, batch_size, config.max_new_tokens, config.shapes, encoded[0]
+                models,
+                decoding,
+                batch_size,
+                config.max_new_tokens,
+                config.shapes,
+                encoded[0],
+                config.compiled,
             )
             skipped.update(method_set.skipped)
             if len(method_set.methods) == 1:  # plain alone: nothing to compare
@@ -228,8 +240,9 @@ def _run_cells(
                 return []
         cell = Cell(workload.category, decoding.name, not decoding.do_sample, batch_size)
         log(f"[suite] {workload.category}, {decoding.name}, batch {batch_size}:")
-        records = measure(method_set.methods, encoded, config.repeats, config.warmup, log)
-        runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records))
+        warmups: dict[str, float] = {}
+        records = measure(method_set.methods, encoded, config.repeats, config.warmup, log, warmups)
+        runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records, warmups))
     return runs
 
 
@@ -285,6 +298,8 @@ def markdown_report(report: SuiteReport, level: int = 1) -> str:
     ]
     for table in all_tables:
         lines += ["", f"{h}# {table.title}", "", markdown_table(table)]
+        if table.batch_size == 1 and "ssm_token_seconds" in report.models:
+            lines += ["", draft_cost_line(table, report.models["ssm_token_seconds"])]
     notes = [
         f"- {group}: `{name}`: {why}"
         for group, items in report.skipped.items()

@@ -1,13 +1,16 @@
 """The benchmark suite's methods, built on an LLM and its exported pool (the fixture's, or given).
 
-Batch size 1: plain `llm.generate`; Hugging Face assisted generation with each single SSM; our
-chain with each single SSM; Stairs validation (greedy only); the pool's merged trees (SpecInfer:
-every SSM drafts a chain, or a beam); every further strategy of `SpeculativeDecoder` that this
-version has (`strategies.STRATEGIES`: weighted majority, with and without an adaptive length,
-the weight-pruned pool tree, Sequoia); the learned scheduler.
-Batch size > 1: plain batched `llm.generate` against the pool's chains decoded as one ragged batch
-(BASS) and served by the pipelined engine (Minions; two groups of half the batch). Each keeps every
-row's latency and output length in its stats (`suite_report.row_stats`) for BASS's per-token latency.
+Batch size 1: plain `llm.generate`, and the best plain decoding transformers offers (a static
+cache, eager and compiled: `plain_static`, `plain_compiled`); Hugging Face assisted generation with
+each single SSM; our chain with each single SSM, eager and compiled (`+compiled`); Stairs
+validation (greedy only); the pool's merged trees (SpecInfer: every SSM drafts a chain, or a
+beam); every further strategy of `SpeculativeDecoder` that this version has
+(`strategies.STRATEGIES`: weighted majority, with and without an adaptive length, the
+weight-pruned pool tree, Sequoia); the learned scheduler.
+Batch size > 1: plain batched `llm.generate` (and its static-cache, eager and compiled) against
+the pool's chains decoded as one ragged batch (BASS), eager and compiled, and served by the
+pipelined engine (Minions; two groups of half the batch). Each keeps every row's latency and output
+length in its stats (`suite_report.row_stats`) for BASS's per-token latency.
 
 A method that cannot run here (a strategy missing its inputs, sampling where it is greedy only,
 batched decoding not implemented) is skipped with the reason: `MethodSet.skipped`.
@@ -15,6 +18,7 @@ batched decoding not implemented) is skipped with the reason: `MethodSet.skipped
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,8 +30,9 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.generation import CompileConfig
 
-from specboost.decoder.batched import BatchConfig, pad_token_id
+from specboost.decoder.batched import pad_token_id
 from specboost.decoder.bench import (
     DTYPES,
     Decoding,
@@ -40,10 +45,11 @@ from specboost.decoder.bench import (
 )
 from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.engine import Engine, EngineConfig
+from specboost.decoder.loop import BatchConfig
 from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.strategies import STRATEGIES
-from specboost.decoder.suite_report import HF_ASSISTED, PLAIN, row_stats
+from specboost.decoder.suite_report import HF_ASSISTED, PLAIN, PLAIN_COMPILED, PLAIN_STATIC, row_stats
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.shapes import BeamShape, ChainShape
 
@@ -99,10 +105,14 @@ def build_methods(
     max_new: int,
     shapes: Shapes,
     probe: BatchEncoding,
+    compiled: bool = True,
 ) -> MethodSet:
-    """The methods for one decoding and batch size; each candidate runs once on `probe` (the
-    first warm-up run), and one that raises is skipped with the error as its reason."""
+    """The methods for one decoding and batch size (without the compiled ones unless `compiled`);
+    each candidate runs once on `probe` (the first warm-up run), and one that raises is skipped with
+    the error as its reason."""
     candidates = _candidates(models, decoding, batch_size, max_new, shapes)
+    if not compiled:
+        candidates = {name: make for name, make in candidates.items() if not name.endswith("compiled")}
     out = MethodSet([])
     for name, make in candidates.items():
         try:
@@ -126,8 +136,21 @@ def _candidates(
     beam = BeamShape(shapes.beam_width, shapes.beam_depth)
     everyone = list(range(len(pool)))
 
-    def hf(name: str, description: str, **kwargs: object) -> Callable[[], Method]:
-        return lambda: _hf_method(name, description, llm, models.counter, max_new, decoding, **kwargs)
+    def hf(name: str, description: str, compiled: bool = False, **kwargs: object) -> Callable[[], Method]:
+        def make() -> Method:
+            method = _hf_method(name, description, llm, models.counter, max_new, decoding, **kwargs)
+            return replace(method, compiled=compiled)
+
+        return make
+
+    def best_plain(batch: str) -> dict[str, Callable[[], Method]]:
+        """transformers' fastest plain decoding: a static cache, eager and compiled."""
+        return {
+            PLAIN_STATIC: hf(PLAIN_STATIC, f"llm.generate{batch}, static cache", **STATIC_EAGER),
+            PLAIN_COMPILED: hf(
+                PLAIN_COMPILED, f"llm.generate{batch}, static cache, compiled", True, **static_compiled()
+            ),
+        }
 
     # Two groups of half the batch each, so that drafting one overlaps verifying the other.
     engine_config = EngineConfig(batch_size=max(1, batch_size // 2), num_groups=2, pipeline=True)
@@ -142,19 +165,33 @@ def _candidates(
     def ours(name: str, description: str, indices: list[int], **kwargs: object) -> Callable[[], Method]:
         def make() -> Method:
             ssms = pool if indices == everyone else [pool.models[i] for i in indices]
-            decoder = SpeculativeDecoder(llm, ssms, tok, **kwargs)
+            decoder = SpeculativeDecoder(llm, ssms, tok, **({"compile": False} | kwargs))
             if batch_size > 1:
-                return _batched_method(name, description, decoder, max_new, decoding)
-            return _our_method(name, description, decoder, indices, max_new, decoding)
+                method = _batched_method(name, description, decoder, max_new, decoding)
+            else:
+                method = _our_method(name, description, decoder, indices, max_new, decoding)
+            return replace(method, compiled=decoder.calls.enabled)
 
         return make
 
     if batch_size > 1:
         plain = hf(PLAIN, f"llm.generate, batch of {batch_size}, left padding")
+        batch = f", batch of {batch_size}"
+        with_latencies = {
+            name: (lambda make=make: _with_row_latencies(make(), eos_ids(llm)))
+            for name, make in {PLAIN: plain, **best_plain(batch)}.items()
+        }
         return {
-            PLAIN: lambda: _with_row_latencies(plain(), eos_ids(llm)),
+            **with_latencies,
             "batched": ours(
                 "batched", f"{chain} by all SSMs, one ragged batch ({BASS})", everyone, shape=chain
+            ),
+            "batched+compiled": ours(
+                "batched+compiled",
+                f"{chain} by all SSMs, one ragged batch ({BASS}), compiled",
+                everyone,
+                shape=chain,
+                compile=True,
             ),
             "engine": engine(
                 "engine",
@@ -162,12 +199,15 @@ def _candidates(
                 f"{engine_config.num_groups} groups of {engine_config.batch_size}",
             ),
         }
-    out = {PLAIN: hf(PLAIN, "llm.generate")}
+    out = {PLAIN: hf(PLAIN, "llm.generate"), **best_plain("")}
     for i, ssm in enumerate(pool.models):
         name = f"{HF_ASSISTED}[{i}]"
         out[name] = hf(name, f"llm.generate(assistant_model=SSM {i})", assistant_model=ssm)
     for i in everyone:
         out[f"chain[{i}]"] = ours(f"chain[{i}]", f"{chain} drafted by SSM {i}", [i], shape=chain)
+        out[f"chain[{i}]+compiled"] = ours(
+            f"chain[{i}]+compiled", f"{chain} drafted by SSM {i}, compiled", [i], shape=chain, compile=True
+        )
     out["stairs[0]"] = ours(
         "stairs[0]", f"{chain} drafted by SSM 0, Stairs verification", [0], shape=chain, verification="stairs"
     )
@@ -188,6 +228,37 @@ def _candidates(
     description = "learned scheduler (the pool's predictor and hardware profile)"
     out["learned"] = _with_predictor(ours("learned", description, everyone, strategy="learned"), pool)
     return out
+
+
+STATIC_EAGER = {"cache_implementation": "static", "disable_compile": True}
+SSM_PROBE_TOKENS = 32  # tokens per timed SSM generation in `ssm_token_seconds`
+
+
+def ssm_token_seconds(pool: SSMPool, prompt: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+    """Per SSM, seconds per token of its own plain decoding with a static cache, eager and compiled
+    (the cost a drafted token is held against): the median of `repeats` interleaved timed runs of
+    `generate` on `prompt` [1, L], after one untimed run each."""
+    runs = {"static": STATIC_EAGER, "compiled": static_compiled()}
+    times: dict[str, list[list[float]]] = {kind: [[] for _ in pool.models] for kind in runs}
+    kwargs = dict(max_new_tokens=SSM_PROBE_TOKENS, min_new_tokens=SSM_PROBE_TOKENS, do_sample=False)
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            for i, ssm in enumerate(pool.models):
+                for kind, options in runs.items():
+                    start = time.perf_counter()
+                    ssm.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs, **options)
+                    if repeat:  # the first round warms up (and compiles)
+                        times[kind][i].append((time.perf_counter() - start) / SSM_PROBE_TOKENS)
+    return {kind: [statistics.median(t) for t in per_ssm] for kind, per_ssm in times.items()}
+
+
+def static_compiled() -> dict[str, object]:
+    """`generate` kwargs for a static cache and a compiled forward, on any device (transformers
+    compiles by itself only on accelerators)."""
+    mode = "reduce-overhead" if torch.cuda.is_available() else "default"
+    config = CompileConfig(fullgraph=False, dynamic=False, mode=mode)
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def _with_predictor(make: Callable[[], Method], pool: SSMPool) -> Callable[[], Method]:

@@ -12,7 +12,9 @@ Metric names and definitions are those of ALGORITHMS.md section 13:
   methods run interleaved, so each repeat r is one paired measurement: the workload's tokens/s
   of the method over that of plain decoding in the same repeat (for identical greedy outputs,
   exactly the ratio of wall times). Reported as the median over repeats with the min and max;
-  "vs HF assisted" divides by the fastest Hugging Face assisted generation instead;
+  "vs best plain" divides by the fastest plain decoding transformers offers (`plain`, or
+  `generate` with a static cache, eager or compiled), "vs HF assisted" by the fastest Hugging Face
+  assisted generation;
 - per-token latency (batch > 1; BASS, ALGORITHMS.md section 11) = a row's latency (seconds to its
   last token; plain batched generation returns every row at once, after the whole call) / its new
   tokens, of the row that finishes first, the one that finishes last, and the mean over the batch;
@@ -33,6 +35,9 @@ from specboost.decoder.bench import RunRecord, _acceptance, _acceptance_per_ssm
 from specboost.decoder.stats import per_token_latency
 
 PLAIN = "plain"  # the reference method of every cell (runs first)
+PLAIN_STATIC = "plain_static"  # llm.generate with a static cache
+PLAIN_COMPILED = "plain_compiled"  # ... and a compiled forward
+BEST_PLAIN = (PLAIN, PLAIN_STATIC, PLAIN_COMPILED)  # "vs best plain": the fastest of these
 HF_ASSISTED = "hf_assisted"  # prefix of the Hugging Face assisted generation methods
 PHASES = ("draft", "verify", "other")  # DecodeStats.time_<phase>; "other" is the decoder's bookkeeping
 # Batch > 1: each row's latency (seconds from the start to its last token) and new tokens, in stats
@@ -55,6 +60,7 @@ class CellRun:
     cell: Cell
     methods: dict[str, str]  # name -> description, in table order; PLAIN first
     records: list[RunRecord] = field(repr=False)
+    warmup_seconds: dict[str, float] = field(default_factory=dict)  # untimed, compilation included
 
 
 @dataclass(frozen=True)
@@ -83,10 +89,12 @@ class MethodRow:
     time_split: dict[str, float] | None  # share of the decoder's time per phase (PHASES)
     tokens_per_second: Spread
     speedup_vs_plain: Spread | None  # None: output differs (not ranked)
+    speedup_vs_best_plain: Spread | None  # vs the fastest of BEST_PLAIN
     speedup_vs_hf_assisted: Spread | None  # vs the fastest HF assisted method; None without one
     identical_to_plain: bool | None  # None: sampled, not comparable token-wise
     per_token_latency: dict[str, float] | None  # LATENCY_POINTS -> seconds/token; None: batch 1
     decision_share: float | None = None  # a scheduler's decision time / the method's wall time
+    draft_ms_per_token: float | None = None  # draft time per drafted token (ours)
     rank: int | None = None  # 1 = fastest; None: not ranked
 
     @property
@@ -107,8 +115,13 @@ def summarise(records: Sequence[RunRecord], methods: dict[str, str], greedy: boo
     identical = {
         name: all(r.identical_to_plain for r in by_method[name]) if greedy else None for name in methods
     }
-    hf = [n for n in methods if n.startswith(HF_ASSISTED) and identical[n] is not False]
-    best_hf = max(hf, key=lambda n: statistics.median(rates[n].values()), default=None)
+
+    def fastest(names: Iterable[str]) -> str | None:
+        usable = [n for n in names if identical[n] is not False]
+        return max(usable, key=lambda n: statistics.median(rates[n].values()), default=None)
+
+    best_hf = fastest(n for n in methods if n.startswith(HF_ASSISTED))
+    best_plain = fastest(n for n in methods if n in BEST_PLAIN)
     rows = []
     for name, description in methods.items():
         rs, ok = by_method[name], identical[name] is not False
@@ -124,10 +137,12 @@ def summarise(records: Sequence[RunRecord], methods: dict[str, str], greedy: boo
                 time_split=_time_split(rs),
                 tokens_per_second=Spread.of(rates[name].values()),
                 speedup_vs_plain=_ratio(rates[name], rates[PLAIN]) if ok else None,
+                speedup_vs_best_plain=_ratio(rates[name], rates[best_plain]) if ok and best_plain else None,
                 speedup_vs_hf_assisted=_ratio(rates[name], rates[best_hf]) if ok and best_hf else None,
                 identical_to_plain=identical[name],
                 per_token_latency=median_per_token_latency(rs),
                 decision_share=decision_share(rs),
+                draft_ms_per_token=draft_ms_per_token(rs),
             )
         )
     ranked = sorted((row for row in rows if row.ranked), key=lambda row: -row.speedup_vs_plain.median)
@@ -205,6 +220,14 @@ def decision_share(records: Sequence[RunRecord]) -> float | None:
     return sum(r.stats["strategy"]["decision_seconds"] for r in records) / seconds if seconds else 0.0
 
 
+def draft_ms_per_token(records: Sequence[RunRecord]) -> float | None:
+    """Milliseconds of drafting per drafted token; None for methods that draft nothing."""
+    if not _have(records, "time_draft") or any(r.draft_tokens is None for r in records):
+        return None
+    drafted = sum(r.draft_tokens for r in records)
+    return 1e3 * sum(r.stats["time_draft"] for r in records) / drafted if drafted else None
+
+
 def _time_split(records: Sequence[RunRecord]) -> dict[str, float] | None:
     if not _have(records, "time_draft"):
         return None
@@ -222,6 +245,8 @@ class Table:
     batch_size: int
     rows: list[MethodRow]
     per_category: dict[str, list[MethodRow]]
+    compiled_warmup: dict[str, float] = field(default_factory=dict)  # method -> warm-up seconds
+    timed_compilations: int = 0  # graphs built inside timed runs (should be 0)
 
     @property
     def title(self) -> str:
@@ -238,8 +263,34 @@ def tables(runs: Sequence[CellRun]) -> list[Table]:
         methods, greedy = group[0].methods, group[0].cell.greedy
         records = [r for run in group for r in run.records]
         per_category = {run.cell.category: summarise(run.records, methods, greedy) for run in group}
-        out.append(Table(decoding, batch_size, summarise(records, methods, greedy), per_category))
+        warmup: dict[str, float] = defaultdict(float)
+        for run in group:
+            for name, seconds in run.warmup_seconds.items():
+                if name.endswith("compiled"):
+                    warmup[name] += seconds
+        table = Table(decoding, batch_size, summarise(records, methods, greedy), per_category, dict(warmup))
+        table.timed_compilations = sum(r.compilations for r in records)
+        out.append(table)
     return out
+
+
+def draft_cost_line(table: Table, ssm_seconds: dict[str, list[float]]) -> str:
+    """Per single-SSM chain row: its time per drafted token (catch-up passes included) against a
+    plain static-cache decoding step of that SSM alone (eager rows against eager, compiled against
+    compiled)."""
+    parts = []
+    for row in table.rows:
+        if not row.method.startswith("chain[") or row.draft_ms_per_token is None:
+            continue
+        index = int(row.method[len("chain[") : row.method.index("]")])
+        kind = "compiled" if row.method.endswith("+compiled") else "static"
+        plain_ms = ssm_seconds[kind][index] * 1e3
+        parts.append(
+            f"`{row.method}` {row.draft_ms_per_token:.2f} ms = {row.draft_ms_per_token / plain_ms:.2f}x "
+            f"SSM {index}'s {plain_ms:.2f} ms"
+        )
+    lead = "Drafting cost per drafted token vs one plain static-cache step of the same SSM"
+    return f"{lead} (eager vs eager, compiled vs compiled): " + "; ".join(parts) + "."
 
 
 def _number(value: float | None, fmt: str = ".2f") -> str:
@@ -269,7 +320,7 @@ def markdown_table(table: Table) -> str:
     latency_header = " | ms/token first / last / mean" if batched else ""
     header = (
         "| rank | method | tokens/step | drafted/step | acceptance | per SSM | draft/verify/other "
-        f"| tokens/s{latency_header} | vs plain | vs HF assisted | output |"
+        f"| tokens/s{latency_header} | vs plain | vs best plain | vs HF assisted | output |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for row in sorted(table.rows, key=lambda r: (r.rank is None, r.rank or 0)):
@@ -286,6 +337,7 @@ def markdown_table(table: Table) -> str:
             f"{row.tokens_per_second.median:.1f}",
             *([_latency(row)] if batched else []),
             _spread(row.speedup_vs_plain),
+            _spread(row.speedup_vs_best_plain),
             _spread(row.speedup_vs_hf_assisted),
             _output(row),
         )
@@ -295,6 +347,12 @@ def markdown_table(table: Table) -> str:
         for row in table.rows
         if row.decision_share is not None
     ]
+    if table.compiled_warmup:
+        lines.append(
+            "\nCompiled methods: untimed warm-up on every prompt (graph compilation included), seconds: "
+            + ", ".join(f"`{name}` {s:.0f}" for name, s in table.compiled_warmup.items())
+            + f"; graphs compiled during timed runs: {table.timed_compilations}."
+        )
     categories = list(table.per_category)
     lines += ["", "Speedup vs plain per category (median over repeats):", ""]
     lines.append("| method | " + " | ".join(categories) + " |")

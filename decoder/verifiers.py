@@ -1,7 +1,8 @@
-"""How the LLM checks a drafted tree: one tree-attention pass, or Stairs' batch of prefixes.
+"""How the LLM checks the drafted trees of a group: one tree-attention pass, or Stairs' batch of
+prefixes (one sequence).
 
-A verifier runs the LLM, applies a verification rule, and leaves the LLM cache holding exactly
-the prefix, the old root and the accepted nodes.
+A verifier runs the LLM over its `TreeCache`, applies each row's verification rule, and leaves the
+cache holding exactly every row's previous text, its old root and its accepted nodes.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from typing import Protocol
 
 import torch
 
-from specboost.decoder.target import TargetState
-from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, Rule, Verdict, apply_rule, check_rule
-from specboost.speculator.kv_cache import compact_cache
-from specboost.speculator.sampling import LogitsToProbs
-from specboost.speculator.tree import DraftKind, TokenTree
+from specboost.decoder.sequence import SequenceState
+from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, Rule, Verdict, apply_rule, check_rule, walk
+from specboost.speculator.kv_cache import TreeCache
+from specboost.speculator.tree import ChainDraft, DraftKind, TreeBatch
+
+Hidden = list[torch.Tensor] | None  # per row: the LLM's last hidden state [H] before the new root
 
 
 class Verifier(Protocol):
@@ -23,17 +25,14 @@ class Verifier(Protocol):
         cannot verify them losslessly."""
 
     def verify(
-        self,
-        target: TargetState,
-        tree: TokenTree,
-        probs: LogitsToProbs,
-        generator: torch.Generator | None,
-        rule: Rule,
-    ) -> Verdict: ...
+        self, cache: TreeCache, rows: list[SequenceState], keep_hidden: bool, chains: ChainDraft | None = None
+    ) -> tuple[list[Verdict], Hidden]:
+        """Verify every row's tree (`row.tree`; or `chains`, drafted on the device: then each row's
+        tree is set from them) and commit the accepted nodes to `cache`."""
 
 
 class TreeVerifier:
-    """The whole tree in ONE LLM forward pass with tree attention (ALGORITHMS.md sections 1-2)."""
+    """Every row's tree in ONE LLM forward pass with tree attention (ALGORITHMS.md sections 1-2)."""
 
     def __init__(self, rule: Rule | str | None = None) -> None:
         self.rule = None if rule is None else Rule(rule)
@@ -61,17 +60,52 @@ class TreeVerifier:
 
     @torch.no_grad()
     def verify(
-        self,
-        target: TargetState,
-        tree: TokenTree,
-        probs: LogitsToProbs,
-        generator: torch.Generator | None,
-        rule: Rule,
-    ) -> Verdict:
-        logits = target.tree_logits(tree)  # [N, V]
-        verdict = apply_rule(rule, tree, logits, probs, target.tokens, generator)
-        target.keep_accepted(verdict.accepted)
-        return verdict
+        self, cache: TreeCache, rows: list[SequenceState], keep_hidden: bool, chains: ChainDraft | None = None
+    ) -> tuple[list[Verdict], Hidden]:
+        if chains is not None:
+            return self._verify_chains(cache, rows, keep_hidden, chains)
+        trees = [row.tree for row in rows]
+        batch = TreeBatch.pack(trees, device=cache.device)
+        lengths = torch.tensor(cache.lengths, device=cache.device)
+        out = cache.feed(batch.tokens, lengths[:, None] + batch.depths, batch.ancestors, keep_hidden)
+        # Greedy rows without logits processing: one argmax for all of them, read back at once.
+        plain = [row.rule is Rule.GREEDY and not row.probs.processors for row in rows]
+        choices = out.logits.float().argmax(-1).tolist() if any(plain) else None  # [B, N], as generate
+        verdicts = [
+            walk(row.tree, choices[b].__getitem__)
+            if plain[b]
+            else apply_rule(
+                row.rule, row.tree, out.logits[b, : len(row.tree)], row.probs, row.tokens, row.generator
+            )
+            for b, row in enumerate(rows)
+        ]
+        cache.commit([[0, *verdict.accepted] for verdict in verdicts])
+        hidden = None
+        if keep_hidden:
+            hidden = [out.hidden[b, v.accepted[-1] if v.accepted else 0] for b, v in enumerate(verdicts)]
+        return verdicts, hidden
+
+    def _verify_chains(
+        self, cache: TreeCache, rows: list[SequenceState], keep_hidden: bool, chains: ChainDraft
+    ) -> tuple[list[Verdict], Hidden]:
+        """Greedy chains on the device: accepted lengths, next tokens and the drafts themselves come
+        back in ONE host read (ALGORITHMS.md section 2, greedy: the longest prefix of the chain
+        equal to the LLM's argmax continuation)."""
+        batch = chains.batch()
+        lengths = torch.tensor(cache.lengths, device=cache.device)
+        out = cache.feed(batch.tokens, lengths[:, None] + batch.depths, batch.ancestors, keep_hidden)
+        choices = out.logits.float().argmax(-1)  # [B, N], as generate: argmax of float32 scores
+        matches = (batch.tokens[:, 1:] == choices[:, :-1]) & batch.valid[:, 1:]
+        accepted = matches.long().cumprod(-1).sum(-1)  # [B]
+        following = choices.gather(1, accepted[:, None])  # [B, 1]
+        host = torch.cat([chains.tokens, accepted[:, None], following], 1).tolist()  # the one read
+        width = chains.tokens.shape[1]
+        for row, tree in zip(rows, chains.trees([r[:width] for r in host]), strict=True):
+            row.tree = tree
+        verdicts = [Verdict(list(range(1, r[width] + 1)), r[width + 1]) for r in host]
+        cache.commit([range(r[width] + 1) for r in host])
+        hidden = [out.hidden[b, r[width]] for b, r in enumerate(host)] if keep_hidden else None
+        return verdicts, hidden
 
 
 class StairsVerifier:
@@ -89,38 +123,23 @@ class StairsVerifier:
 
     @torch.no_grad()
     def verify(
-        self,
-        target: TargetState,
-        tree: TokenTree,
-        probs: LogitsToProbs,
-        generator: torch.Generator | None,
-        rule: Rule,
-    ) -> Verdict:
-        chain = tree.tokens  # root, x1..xd (a chain: node i is at depth i)
-        rows = len(chain)
-        p, llm = target.prefix_length, target.llm
-        input_ids = torch.zeros(rows, rows, dtype=torch.long, device=llm.device)  # [d+1, d+1], right-padded
-        mask = torch.zeros(rows, p + rows, dtype=torch.long, device=llm.device)
-        mask[:, :p] = 1
-        for i in range(rows):
-            input_ids[i, : i + 1] = torch.tensor(chain[: i + 1])
-            mask[i, p : p + i + 1] = 1
-        target.cache.batch_repeat_interleave(rows)
-        out = llm(
-            input_ids=input_ids,
-            attention_mask=mask,
-            past_key_values=target.cache,
-            use_cache=True,
-            output_hidden_states=target.keep_hidden,
-        )
+        self, cache: TreeCache, rows: list[SequenceState], keep_hidden: bool, chains: ChainDraft | None = None
+    ) -> tuple[list[Verdict], Hidden]:
+        if chains is not None:
+            rows[0].tree = chains.trees(chains.tokens.tolist())[0]
+        if len(rows) != 1:
+            raise ValueError("verification='stairs' validates one sequence at a time; decode rows one by one")
+        row = rows[0]
+        chain = row.tree.tokens  # root, x1..xd (a chain: node i is at depth i)
+        size = len(chain)
+        cache.select([0] * size)  # row i: the text so far, then the prefix [root, x1..xi]
+        out = cache.feed_chains([chain[: i + 1] for i in range(size)], True, False, keep_hidden)
         # Row i: the LLM's choice after x1..xi (node i of the chain), after logits processing.
-        logits = out.logits[torch.arange(rows), torch.arange(rows)]  # [d+1, V]
-        choices = probs.tree_scores(logits, tree, target.tokens).argmax(-1).tolist()
-        target.cache.batch_select_indices(torch.tensor([rows - 1], device=llm.device))
+        choices = row.probs.tree_scores(out.logits, row.tree, row.tokens).argmax(-1).tolist()
         accepted = 0
-        while accepted < rows - 1 and chain[accepted + 1] == choices[accepted]:
+        while accepted < size - 1 and chain[accepted + 1] == choices[accepted]:
             accepted += 1
-        if target.keep_hidden:
-            target.hidden = out.hidden_states[-1][accepted, accepted]
-        compact_cache(target.cache, list(range(p + 1 + accepted)))
-        return Verdict(list(range(1, accepted + 1)), choices[accepted])
+        cache.select([size - 1])  # the row that read the whole chain, its nodes pending
+        cache.commit([range(accepted + 1)])
+        hidden = [out.hidden[accepted]] if out.hidden is not None else None
+        return [Verdict(list(range(1, accepted + 1)), choices[accepted])], hidden

@@ -103,15 +103,16 @@ def verify_greedy(tree: TokenTree, scores: torch.Tensor, **_) -> Verdict:
     """Accept the child equal to argmax p (of the processed scores [N, V]): reproduces the LLM's
     greedy decoding exactly."""
     choices = scores.argmax(dim=-1).tolist()  # [N]
-    return _walk(tree, lambda node: choices[node])
+    return walk(tree, lambda node: choices[node])
 
 
 def verify_target(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
     """Sample y ~ p and accept the child equal to y; lossless for any tree."""
-    return _walk(tree, lambda node: int(torch.multinomial(p[node], 1, generator=generator)))
+    return walk(tree, lambda node: int(torch.multinomial(p[node], 1, generator=generator)))
 
 
-def _walk(tree: TokenTree, choose: Callable[[int], int]) -> Verdict:
+def walk(tree: TokenTree, choose: Callable[[int], int]) -> Verdict:
+    """From the root, accept the child whose token `choose(node)` names, until there is none."""
     node, accepted = 0, []
     while True:
         token = choose(node)

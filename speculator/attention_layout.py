@@ -68,7 +68,7 @@ class AttentionLayout:
         self,
         allowed: torch.Tensor,  # [B, Q, K] bool: the tree structure (prefix, ancestors, padding)
         query_positions: torch.Tensor,  # [B, Q]
-        key_positions: torch.Tensor,  # [B, K]
+        key_positions: torch.Tensor | None,  # [B, K]; None when there is no window
         dtype: torch.dtype,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The model's `attention_mask` argument: [B, 1, Q, K] additive, or one per layer type."""

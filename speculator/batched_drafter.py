@@ -1,10 +1,10 @@
 """One SSM drafting chains for a whole batch at once (ALGORITHMS.md sections 3 and 11).
 
 `SSMDrafter` drafts for one sequence; in a batch that costs one SSM call per sequence and chain
-position. `BatchedChainDrafter` keeps one ragged cache over the rows of a batch (BASS-PAD, as the
+position. `BatchedChainDrafter` keeps one `TreeCache` over the rows of a batch (BASS-PAD, as the
 LLM does) and drafts every row's chain with one SSM pass per chain position: first a pass that
 catches each row up on the tokens verified since its last draft (it keeps the K/V of the drafted
-tokens the LLM accepted, as `SSMDrafter` does), then one [B, 1] pass per further token.
+tokens the LLM accepted), then one [B, 1] pass per further token.
 """
 
 from __future__ import annotations
@@ -12,32 +12,73 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from specboost.speculator.kv_cache import ModelCall, TreeCache
 from specboost.speculator.model_info import context_length
-from specboost.speculator.ragged import RaggedCache, chain_batch
 from specboost.speculator.sampling import LogitsToProbs
 
 Chain = list[tuple[int, torch.Tensor | None]]  # drafted tokens, each with its q (None when greedy)
+CAPACITY = 256  # the cache's first capacity; it grows when a row needs more
 
 
 class BatchedChainDrafter:
-    """SSM number `index` of a pool, drafting a chain per row of a batch of sequences."""
+    """SSM number `index` of a pool, drafting a chain per row of a batch of sequences; `compiled`
+    is the model's compiled call for its drafting passes (None: eager)."""
 
-    def __init__(self, model: PreTrainedModel, index: int) -> None:
+    def __init__(self, model: PreTrainedModel, index: int, compiled: ModelCall | None = None) -> None:
         self.model = model
         self.index = index
         self.max_positions = context_length(model)
-        self.cache = RaggedCache()
+        self.cache = TreeCache(model, 0, CAPACITY, compiled)
         self.seen: list[list[int]] = []  # per row: the tokens whose K/V the cache holds, in order
+        # Tokens fed by `draft_greedy` and not read back yet: [B, L] on the device, count per row.
+        self._unread: tuple[torch.Tensor, list[int]] | None = None
 
     def add_rows(self, count: int) -> None:
         """New rows at the end of the batch (with empty caches)."""
-        self.cache.extend(RaggedCache(count))
+        self._read_back()
+        self.cache.extend(TreeCache(self.model, count, CAPACITY, self.cache.compiled))
         self.seen += [[] for _ in range(count)]
 
     def select(self, rows: list[int]) -> None:
         """Keep only the rows `rows`, in that order."""
+        self._read_back()
         self.cache.select(rows)
         self.seen = [self.seen[r] for r in rows]
+
+    def _read_back(self) -> None:
+        """Record the tokens `draft_greedy` fed (one host read, after the step that used them)."""
+        if self._unread is None:
+            return
+        tokens, counts = self._unread
+        for seen, row, count in zip(self.seen, tokens.tolist(), counts, strict=True):
+            seen.extend(row[:count])
+        self._unread = None
+
+    @torch.no_grad()
+    def draft_greedy(self, verified: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Greedy chains without logits processing, kept on the device: [B, L] tokens and each row's
+        count (lengths[b], fewer past the SSM's context). Nothing is read back to the host."""
+        self._read_back()
+        if self.max_positions is not None:
+            lengths = [
+                max(0, min(n, self.max_positions - len(v))) for n, v in zip(lengths, verified, strict=True)
+            ]
+        width = max(lengths, default=0)
+        chains = torch.zeros(len(verified), width, dtype=torch.long, device=self.cache.device)
+        if width < 1:
+            return chains, lengths
+        catch_up = [
+            self._catch_up(b, v) if n > 0 else []
+            for b, (v, n) in enumerate(zip(verified, lengths, strict=True))
+        ]
+        logits = self._feed(catch_up)
+        for step in range(width):
+            chains[:, step] = logits.float().argmax(-1)  # as `generate`: argmax of float32 scores
+            active = [step + 1 < n for n in lengths]  # the last token of a chain is never fed
+            if any(active):
+                logits = self.cache.feed_column(chains[:, step], active)
+        self._unread = (chains, [max(0, n - 1) for n in lengths])
+        return chains, lengths
 
     @torch.no_grad()
     def draft(
@@ -49,6 +90,7 @@ class BatchedChainDrafter:
     ) -> list[Chain]:
         """A chain of `lengths[b]` tokens after `verified[b]` for every row b (fewer past the SSM's
         context; a row with length 0 drafts nothing and keeps its cache as it is)."""
+        self._read_back()
         if self.max_positions is not None:
             lengths = [min(n, self.max_positions - len(v)) for n, v in zip(lengths, verified, strict=True)]
         chains: list[Chain] = [[] for _ in verified]
@@ -86,12 +128,10 @@ class BatchedChainDrafter:
     def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
         """Feed chain `feeds[b]` to row b in one pass and keep it all; [B, V] logits after each
         row's last fed token (garbage for rows fed nothing)."""
-        out = self.cache.forward(self.model, chain_batch(feeds))
-        self.cache.keep([list(range(len(f))) for f in feeds])
+        logits = self.cache.feed_chains(feeds).logits
         for seen, fed in zip(self.seen, feeds, strict=True):
             seen.extend(fed)
-        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
-        return out.logits[torch.arange(len(feeds), device=last.device), last]
+        return logits
 
 
 def _row_scores(

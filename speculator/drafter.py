@@ -1,9 +1,10 @@
 """One SSM that drafts token trees over the verified prefix (ALGORITHMS.md section 3).
 
-The drafter owns the SSM's KV cache and keeps it synced to the verified prefix: after a
-verification it keeps the K/V of the accepted tokens it drafted itself (compaction, as the LLM
-does) and feeds only the tokens it has not seen (at least the LLM's correction or bonus token).
-Trees are expanded level by level, each level in one SSM forward pass with tree attention.
+The drafter owns the SSM's KV cache (a one-row `TreeCache`) and keeps it synced to the verified
+prefix: after a verification it commits the K/V of the accepted tokens it drafted itself (they
+are pending nodes of its cache, as in the LLM's) and feeds only the tokens it has not seen (at
+least the LLM's correction or bonus token). Trees are expanded level by level, each level in one
+SSM pass with tree attention.
 """
 
 from __future__ import annotations
@@ -11,28 +12,31 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specboost.speculator.kv_cache import compact_cache, new_cache
+from specboost.speculator.kv_cache import ModelCall, TreeCache, capacity_for
 from specboost.speculator.model_info import context_length
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
-from specboost.speculator.tree import TokenTree
-from specboost.speculator.tree_attention import causal_forward, tree_forward
+from specboost.speculator.tree import TokenTree, TreeBatch
+
+HEADROOM = 256  # positions a new cache holds beyond the text it starts with
 
 
 class SSMDrafter:
-    """Drafts with SSM number `index` of a pool; `index` is what tree nodes record as proposer."""
+    """Drafts with SSM number `index` of a pool; `index` is what tree nodes record as proposer.
+    `compiled` is the model's compiled call for its drafting passes (None: eager)."""
 
-    def __init__(self, model: PreTrainedModel, index: int) -> None:
+    def __init__(self, model: PreTrainedModel, index: int, compiled: ModelCall | None = None) -> None:
         self.model = model
         self.index = index
+        self.compiled = compiled
         self.max_positions = context_length(model)
         self.reset()
 
     def reset(self) -> None:
-        self.cache = new_cache()
-        self.cached_tokens: list[int] = []  # verified tokens at cache positions 0..n-1
+        self.cache: TreeCache | None = None
+        self.cached_tokens: list[int] = []  # verified tokens committed to the cache, in order
         self._expansion = TokenTree.root_only(-1)  # every node drafted last step (root = last verified)
-        self._fed = 0  # expansion nodes 1.._fed have K/V in the cache, after the verified tokens
+        self._slots: dict[int, int] = {}  # expansion node -> its pending index in the cache
 
     @torch.no_grad()
     def draft(
@@ -52,7 +56,6 @@ class SSMDrafter:
             return TokenTree.root_only(verified[-1], shape.kind(probs.config.do_sample))
         root_logits = self._sync(verified)
         self._expansion = TokenTree.root_only(verified[-1], shape.kind(probs.config.do_sample))
-        self._fed = 0
         if isinstance(shape, ChainShape):
             return self._draft_chain(root_logits, min(shape.length, max_depth), probs, generator)
         if isinstance(shape, BeamShape):
@@ -64,35 +67,52 @@ class SSMDrafter:
     # 1. Cache sync -------------------------------------------------------------------------
     def _sync(self, verified: list[int]) -> torch.Tensor:
         """Bring the cache to exactly `verified`; return the SSM's logits after it ([V])."""
-        n = len(self.cached_tokens)
+        if self.cache is None:
+            self.cache = TreeCache(self.model, 1, capacity_for(len(verified) + HEADROOM), self.compiled)
+        n, kept = len(self.cached_tokens), []
         if verified[:n] == self.cached_tokens:
-            keep = list(range(n))
-            node = 0
+            common, node = n, 0
             for token in verified[n:]:
                 child = self._expansion.child_with_token(node, token)
-                if child is None or child > self._fed:
+                if child is None or child not in self._slots:
                     break
-                keep.append(n + child - 1)
+                kept.append(self._slots[child])
                 node = child
         else:
             common = 0
             while common < min(n, len(verified)) and verified[common] == self.cached_tokens[common]:
                 common += 1
-            keep = list(range(common))
-        if len(keep) == len(verified):  # the SSM has seen everything: recompute the last position
-            keep.pop()
-        compact_cache(self.cache, keep)
+        self.cache.commit([kept if common == n else []])
+        if common < n:
+            self.cache.truncate(0, common)
+        seen = self.cache.lengths[0]
+        if seen == len(verified):  # the SSM has seen everything: recompute the last position
+            self.cache.truncate(0, seen - 1)
+            seen -= 1
         self.cached_tokens = list(verified)
-        return causal_forward(self.model, self.cache, verified[len(keep) :]).logits[-1]
+        self._slots = {}
+        return self.cache.feed_chains([verified[seen:]]).logits[0]
 
     # 2. Drafting modes ----------------------------------------------------------------------
     def _expand(self, nodes: range) -> torch.Tensor:
-        """Feed expansion nodes `nodes` (one level) in one pass; returns their logits [len, V]."""
-        prefix = len(self.cached_tokens)
-        logits = tree_forward(
-            self.model, self.cache, self._expansion, nodes, prefix, first_cached_node=1
-        ).logits
-        self._fed = nodes.stop - 1
+        """Feed expansion nodes `nodes` (one level, after every earlier node) in one pass; returns
+        their logits [len, V]."""
+        tree, cache = self._expansion, self.cache
+        device = cache.device
+        new = list(nodes)
+        root_position = len(self.cached_tokens) - 1
+        ancestors = TreeBatch.pack([tree], device=device).ancestors[0]  # [T, T]
+        visible = torch.zeros(1, len(new), cache.pending + len(new), dtype=torch.bool, device=device)
+        fed = sorted(self._slots)
+        if fed:
+            columns = torch.tensor([self._slots[v] for v in fed], device=device)
+            visible[0][:, columns] = ancestors[new][:, fed]
+        visible[0, :, cache.pending :] = ancestors[new][:, new]
+        tokens = torch.tensor([[tree.tokens[u] for u in new]], device=device)
+        positions = torch.tensor([[root_position + tree.depths[u] for u in new]], device=device)
+        start = cache.pending
+        logits = cache.feed(tokens, positions, visible).logits[0]
+        self._slots.update({u: start + i for i, u in enumerate(new)})
         return logits
 
     def _draft_chain(
@@ -115,7 +135,8 @@ class SSMDrafter:
         """SpecInfer beam search on the greedy-processed scores; returns the merge of the final
         beams (kind BEAM)."""
         tree, greedy = self._expansion, probs.greedy()
-        beams, scores = [0], torch.zeros(1, dtype=torch.float64)
+        beams = [0]
+        scores = torch.zeros(1, dtype=torch.float64, device=logits.device)
         level_logits = logits[None]  # [beams, V]
         for level in range(depth):
             if level > 0:

@@ -1,49 +1,316 @@
-"""KV cache compaction: after verification the cache must hold exactly prefix + accepted path."""
+"""Fixed-capacity KV caches for token trees over a batch of sequences (ALGORITHMS.md sections 1, 11).
+
+A `TreeCache` is one model's transformers `StaticCache` with every layer a full `StaticLayer`
+([rows, kv heads, capacity, head dim] per layer, allocated once), plus the number of committed
+positions of each row. Row b's committed tokens (its verified text, in order) sit at positions
+0 .. lengths[b] - 1, so a cache index is a text position; the rest of the row is padding, never
+attended to (BASS-PAD: rows of different lengths share one padded tensor).
+
+Token trees are fed on top, in index order: their K/V land after the widest row, at `width` =
+max(lengths), as *pending* nodes that later nodes see only through their ancestor masks. `commit`
+then appends to each row the pending nodes it keeps (the accepted path) by in-place index copies
+and drops the others. A chain whose kept nodes are a prefix of what was fed, in a row as wide as
+the batch, moves nothing. Sliding-window layers are masked by position (`AttentionLayout`), so
+every layer is a full one and compaction stays exact.
+
+With a compiled model call, shapes are kept to a few buckets (rows padded to powers of two, fed
+nodes to `NODE_BUCKETS`, the capacity to multiples of `CAPACITY_STEP`), so that the compiled model
+sees a handful of shapes; eager passes are not padded.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
-from transformers import Cache, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel, StaticCache
+from transformers.cache_utils import Cache, StaticLayer
+
+from specboost.speculator.attention_layout import AttentionLayout
+from specboost.speculator.model_info import context_length
+from specboost.speculator.tree_attention import tree_attention_mask
+
+CAPACITY_STEP = 128  # capacities are multiples of this (one compiled graph per capacity)
+NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes: nodes per row, padded
+COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
+COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly
+
+ModelCall = Callable[..., object]  # a model's compiled __call__
 
 
-def new_cache() -> DynamicCache:
-    """A plain dynamic cache (full-attention layers), which `compact_cache` can index freely."""
-    return DynamicCache()
+def bucket(n: int) -> int:
+    """The smallest power of two >= n (>= 1): a compiled model's rows are padded to it."""
+    return 1 << max(0, n - 1).bit_length()
 
 
-def compact_cache(cache: Cache, keep: torch.Tensor | list[int]) -> None:
-    """Keep only the sequence positions `keep` (in that order) of every layer, in place.
+def node_bucket(n: int) -> int:
+    """The nodes per row a compiled pass of `n` nodes is padded to."""
+    return next((size for size in NODE_BUCKETS if size >= n), bucket(n))
 
-    `keep` indexes the cache's sequence axis; typically the prefix positions followed by the
-    positions of the accepted tree nodes (ALGORITHMS.md section 1). The kept prefix stays where
-    it is and only the few positions after it move, so a step costs O(accepted), not O(length)."""
-    keep = torch.as_tensor(keep, dtype=torch.long)
-    stay = _unmoved_prefix(keep)
-    moved = keep[stay:]
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise NotImplementedError(
-                f"KV compaction does not support cache layers of type {type(layer).__name__}"
+
+def capacity_for(positions: int) -> int:
+    """A capacity holding `positions`, rounded up to CAPACITY_STEP."""
+    return -(-positions // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def max_capacity(model: PreTrainedModel) -> int:
+    """The most positions a cache of `model` may hold: its context and a tree's padding."""
+    return capacity_for((context_length(model) or 1 << 15) + 4 * CAPACITY_STEP)
+
+
+class FullStaticCache(StaticCache):
+    """transformers' `StaticCache` with every layer a full `StaticLayer`: sliding windows are applied
+    by the tree masks (`AttentionLayout`), so that kept K/V can be moved to any position."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        Cache.__init__(self, layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+
+
+@dataclass
+class FedOutput:
+    logits: torch.Tensor  # [B, N, V] (rows and nodes past the real ones are padding)
+    hidden: torch.Tensor | None  # [B, N, H] last-layer hidden states, when asked for
+
+
+class TreeCache:
+    """One model's KV cache over a batch of rows of different lengths (see the module doc).
+    `compiled` is the model's compiled call, used for passes of up to COMPILED_MAX_NODES nodes."""
+
+    def __init__(
+        self, model: PreTrainedModel, rows: int, capacity: int, compiled: ModelCall | None = None
+    ) -> None:
+        self.model = model
+        self.compiled = compiled
+        self.device = model.device
+        self.layout = AttentionLayout.of(model)
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.capacity = capacity
+        self.lengths: list[int] = [0] * rows  # committed positions per row (host copy)
+        self.pending = 0  # nodes fed since the last commit, in every row
+        self._pending_positions: torch.Tensor | None = None  # [B_phys, pending]
+        self.cache = FullStaticCache(self.num_layers, capacity)
+        self.physical_rows = self._physical(rows)
+
+    def _physical(self, rows: int) -> int:
+        """Rows the cache tensors hold: padded to a power of two for a compiled model."""
+        return bucket(rows) if self.compiled is not None else max(1, rows)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """Where pending nodes start: the longest row's length."""
+        return max(self.lengths, default=0)
+
+    def _layers(self) -> list[StaticLayer]:
+        return [layer for layer in self.cache.layers if layer.is_initialized]
+
+    # Feeding ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def feed(
+        self,
+        tokens: torch.Tensor,  # [B, N] long
+        positions: torch.Tensor,  # [B, N] long: each node's position in its row's text
+        visible: torch.Tensor,  # [B, N, pending + N] bool: the pending and new nodes each new node sees
+        output_hidden: bool = False,
+        eager: bool = False,
+    ) -> FedOutput:
+        """Feed N nodes per row in ONE pass; they become pending. Every node sees its row's
+        committed positions and the nodes marked in `visible` (itself included, ALGORITHMS.md 1).
+        Rows and nodes are padded to their buckets; the outputs keep the padding."""
+        b, n = tokens.shape
+        if b != self.rows:
+            raise ValueError(f"{b} rows of nodes for a cache of {self.rows} rows")
+        compiled = self.compiled is not None and not eager and node_bucket(n) <= COMPILED_MAX_NODES
+        rows, nodes = self.physical_rows, node_bucket(n) if compiled else n
+        start = self.width + self.pending
+        if start + nodes > self.capacity:
+            self._grow(start + nodes)
+        tokens, positions, visible = _pad(tokens, positions, visible, rows, nodes, self.pending)
+        fed = (
+            positions
+            if self._pending_positions is None
+            else torch.cat([self._pending_positions, positions], 1)
+        )
+        mask = self._mask(visible, positions, fed, rows)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(start)  # where the new K/V are written
+        out = (self.compiled if compiled else self.model)(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=output_hidden,
+        )
+        self._pending_positions = fed
+        self.pending += nodes
+        hidden = out.hidden_states[-1][:b, :n] if output_hidden else None
+        return FedOutput(out.logits[:b, :n], hidden)
+
+    def feed_chains(
+        self,
+        chains: Sequence[Sequence[int]],
+        eager: bool = False,
+        commit: bool = True,
+        output_hidden: bool = False,
+    ) -> FedOutput:
+        """Append chain `chains[b]` to row b's text (a prompt, tokens verified since the row's last
+        pass) in ONE pass and commit it (or leave it pending); the logits [B, V] (and last hidden
+        states [B, H]) after each row's last token (garbage for a row fed nothing). No pending
+        nodes may be in flight."""
+        assert self.pending == 0, "commit the pending nodes first"
+        n = max(1, max(map(len, chains), default=0))
+        tokens = torch.tensor([[*chain, *[0] * (n - len(chain))] for chain in chains], device=self.device)
+        sizes = torch.tensor([len(c) for c in chains], device=self.device)
+        step = torch.arange(n, device=self.device)
+        valid = step[None] < sizes[:, None]  # [B, n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        eye = torch.eye(n, dtype=torch.bool, device=self.device)
+        visible = torch.where(valid[:, :, None], causal & valid[:, None, :], eye)  # padding: itself only
+        positions = torch.tensor(self.lengths, device=self.device)[:, None] + step
+        out = self.feed(tokens, positions, visible, output_hidden, eager=eager or n > COMPILED_MAX_CHAIN)
+        if commit:
+            self.commit([range(len(chain)) for chain in chains])
+        rows, last = torch.arange(self.rows, device=self.device), (sizes - 1).clamp(min=0)
+        return FedOutput(out.logits[rows, last], None if out.hidden is None else out.hidden[rows, last])
+
+    def _mask(
+        self, visible: torch.Tensor, positions: torch.Tensor, fed: torch.Tensor, rows: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        lengths = torch.tensor(self.lengths + [0] * (rows - self.rows), device=self.device)
+        return tree_attention_mask(
+            visible, lengths, self.width, positions, fed, self.capacity, self.model.dtype, self.layout
+        )
+
+    def feed_column(self, tokens: torch.Tensor, active: Sequence[bool]) -> torch.Tensor:
+        """Append one token per active row (`tokens` [B], on the device: nothing is read back) and
+        commit it; [B, V] logits after it (garbage for inactive rows, which are fed padding)."""
+        assert self.pending == 0, "commit the pending nodes first"
+        b = self.rows
+        on = torch.tensor(list(active), device=self.device)
+        positions = torch.tensor(self.lengths, device=self.device)[:, None]
+        visible = torch.ones(b, 1, 1, dtype=torch.bool, device=self.device)
+        out = self.feed((tokens * on)[:, None], positions, visible)
+        self.commit([[0] if a else [] for a in active])
+        return out.logits[:, 0]
+
+    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        """Row b appends the pending nodes `keep[b]` (indices in feeding order), in that order;
+        every other pending node is dropped."""
+        if len(keep) != self.rows:
+            raise ValueError(f"{len(keep)} kept-node lists for a cache of {self.rows} rows")
+        width = self.width
+        rows, sources, targets = [], [], []
+        for row, (length, kept) in enumerate(zip(self.lengths, keep, strict=True)):
+            for i, node in enumerate(kept):
+                assert 0 <= node < self.pending, "kept node was not fed"
+                if width + node != length + i:
+                    rows.append(row)
+                    sources.append(width + node)
+                    targets.append(length + i)
+        if rows:  # gather first: targets may overlap sources
+            index = [torch.tensor(x, device=self.device) for x in (rows, sources, targets)]
+            for layer in self._layers():
+                layer.keys[index[0], :, index[2]] = layer.keys[index[0], :, index[1]]
+                layer.values[index[0], :, index[2]] = layer.values[index[0], :, index[1]]
+        self.lengths = [length + len(kept) for length, kept in zip(self.lengths, keep, strict=True)]
+        self.pending = 0
+        self._pending_positions = None
+
+    # Rows -------------------------------------------------------------------------------------------
+    def truncate(self, row: int, length: int) -> None:
+        """Forget row `row`'s positions from `length` on (no pending nodes may be in flight)."""
+        assert self.pending == 0 and 0 <= length <= self.lengths[row]
+        self.lengths[row] = length
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only the rows `rows`, in that order (a row may repeat); pending nodes stay pending."""
+        positions = self._pending_positions
+        self._rebuild([(self, list(rows))])
+        if positions is not None:
+            index = torch.tensor(list(rows), device=self.device)
+            self._pending_positions = positions.new_zeros(self.physical_rows, positions.shape[1])
+            self._pending_positions[: len(rows)] = positions[index]
+
+    def extend(self, other: TreeCache) -> None:
+        """Append the rows of `other` (of the same model) after this cache's rows."""
+        assert self.pending == 0 and other.pending == 0
+        self._rebuild([(self, list(range(self.rows))), (other, list(range(other.rows)))])
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate to a capacity holding `needed` positions (rows, lengths and pending nodes kept)."""
+        if needed > max_capacity(self.model):
+            raise ValueError(
+                f"{needed - self.width} tree nodes after {self.width} cached positions exceed the cache's "
+                f"capacity limit of {max_capacity(self.model)} positions: draft smaller trees"
             )
-        if not layer.is_initialized or layer.keys.numel() == 0:
-            continue
-        index = moved.to(layer.keys.device)
-        length = stay + len(moved)
-        if len(moved):  # gather first: targets may overlap sources
-            layer.keys[..., stay:length, :] = layer.keys.index_select(-2, index)
-            layer.values[..., stay:length, :] = layer.values.index_select(-2, index)
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
+        old, self.capacity = self.cache, capacity_for(needed)
+        self.cache = FullStaticCache(self.num_layers, self.capacity)
+        used = self.width + self.pending
+        for new, layer in zip(self.cache.layers, old.layers, strict=True):
+            if layer.is_initialized:
+                _allocate(new, layer, self.physical_rows)
+                new.keys[:, :, :used] = layer.keys[:, :, :used]
+                new.values[:, :, :used] = layer.values[:, :, :used]
+
+    def _rebuild(self, parts: list[tuple[TreeCache, list[int]]]) -> None:
+        """This cache becomes the rows `parts` name, copied out of their caches in that order."""
+        self.compiled = self.compiled or next((p.compiled for p, _ in parts if p.compiled is not None), None)
+        lengths = [part.lengths[r] for part, rows in parts for r in rows]
+        capacity = max(self.capacity, *(part.capacity for part, _ in parts))
+        physical = self._physical(len(lengths))
+        cache = FullStaticCache(self.num_layers, capacity)
+        template = next(
+            (p.cache.layers for p, _ in parts if any(x.is_initialized for x in p.cache.layers)), None
+        )
+        if template is not None:
+            for i, layer in enumerate(cache.layers):
+                _allocate(layer, template[i], physical)
+                start = 0
+                for part, rows in parts:
+                    source = part.cache.layers[i]
+                    if rows and source.is_initialized:
+                        index = torch.tensor(rows, device=self.device)
+                        span = source.keys.shape[2]
+                        layer.keys[start : start + len(rows), :, :span] = source.keys[index]
+                        layer.values[start : start + len(rows), :, :span] = source.values[index]
+                    start += len(rows)
+        self.cache, self.capacity, self.lengths, self.physical_rows = cache, capacity, lengths, physical
 
 
-def _unmoved_prefix(keep: torch.Tensor) -> int:
-    """Length of the leading run of `keep` equal to 0, 1, 2, ..."""
-    same = keep == torch.arange(len(keep))
-    return len(keep) if bool(same.all()) else int((~same).nonzero()[0])
+def _allocate(layer: StaticLayer, like: StaticLayer, rows: int) -> None:
+    """Give `layer` zero K/V tensors of `rows` rows, shaped and typed like `like`'s."""
+    shape_k = (rows, like.keys.shape[1], layer.max_cache_len, like.keys.shape[3])
+    shape_v = (rows, like.values.shape[1], layer.max_cache_len, like.values.shape[3])
+    layer.keys = like.keys.new_zeros(shape_k)
+    layer.values = like.values.new_zeros(shape_v)
+    layer.dtype, layer.device = like.dtype, like.device
+    layer.batch_size, layer.num_heads = rows, like.num_heads
+    layer.k_head_dim, layer.v_head_dim = like.k_head_dim, like.v_head_dim
+    layer.cumulative_length = layer.cumulative_length.to(like.device)
+    layer.is_initialized = True
 
 
-def crop_cache(cache: Cache, length: int) -> None:
-    """Keep the first `length` positions."""
-    if cache.get_seq_length() > length:
-        compact_cache(cache, torch.arange(length))
+def _pad(
+    tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, rows: int, nodes: int, pending: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad rows to `rows` and nodes to `nodes`: a padding node sees only itself."""
+    b, n = tokens.shape
+    if (b, n) == (rows, nodes):
+        return tokens, positions, visible
+    device = tokens.device
+    padded_tokens = tokens.new_zeros(rows, nodes)
+    padded_tokens[:b, :n] = tokens
+    padded_positions = positions.new_zeros(rows, nodes)
+    padded_positions[:b, :n] = positions
+    padded_positions[:b, n:] = positions[:, -1:]
+    eye = torch.eye(nodes, dtype=torch.bool, device=device)
+    padded_visible = torch.cat(
+        [torch.zeros(rows, nodes, pending, dtype=torch.bool, device=device), eye.expand(rows, -1, -1)], dim=2
+    )
+    padded_visible[:b, :n, : pending + n] = visible
+    return padded_tokens, padded_positions, padded_visible

@@ -62,6 +62,16 @@ class Speculator(Protocol):
         """Strategy-specific statistics of the last `generate` (JSON-ready), for `DecodeStats.strategy`."""
 
 
+def ssm_drafters(speculator: object) -> list[SSMDrafter]:
+    """The `SSMDrafter`s a speculator drafts with: its `drafters`, or its one `drafter`."""
+    drafters = getattr(speculator, "drafters", None)
+    if drafters is None:
+        drafters = (
+            [speculator.drafter] if isinstance(getattr(speculator, "drafter", None), SSMDrafter) else []
+        )
+    return list(drafters)
+
+
 class PoolSpeculator:
     """Every SSM drafts the same shape; their trees are merged into one (SpecInfer).
 

@@ -106,10 +106,10 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
-    def ancestor_matrix(self) -> torch.Tensor:
+    def ancestor_matrix(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N, N] bool: entry (u, v) is True iff v is u or an ancestor of u."""
         n = len(self.tokens)
-        mat = torch.zeros(n, n, dtype=torch.bool)
+        mat = torch.zeros(n, n, dtype=torch.bool, device=device)
         for u, parent in enumerate(self.parents):
             if parent >= 0:
                 mat[u] = mat[parent]
@@ -151,6 +151,19 @@ def merge_trees(trees: list[TokenTree]) -> TokenTree:
     return merged
 
 
+def ancestor_masks(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, N, N] bool from parents [B, N] (-1 for roots and padding): entry (b, u, v) is True iff v
+    is u or an ancestor of u. Each round adds one more generation of ancestors."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    has_parent = (parents >= 0)[:, :, None]
+    index = parents.clamp(min=0)[:, :, None].expand(b, n, n)
+    ancestors = eye
+    for _ in range(depth):
+        ancestors = eye | (has_parent & ancestors.gather(1, index))
+    return ancestors
+
+
 @dataclass
 class TreeBatch:
     """Trees of a batch as padded tensors, one row per sequence (padding nodes have `valid=False`,
@@ -163,25 +176,57 @@ class TreeBatch:
     ancestors: torch.Tensor  # [B, N, N] bool, (b, u, v): v is u or an ancestor of u
 
     @classmethod
-    def pack(cls, trees: list[TokenTree], pad_token: int = 0) -> TreeBatch:
+    def pack(
+        cls, trees: list[TokenTree], pad_token: int = 0, device: torch.device | str = "cpu"
+    ) -> TreeBatch:
+        """The trees as padded tensors on `device`, built there (ancestors by following parents)."""
         if not trees:
             raise ValueError("TreeBatch.pack needs at least one tree")
-        b, n = len(trees), max(len(t) for t in trees)
-        batch = cls(
-            tokens=torch.full((b, n), pad_token, dtype=torch.long),
-            parents=torch.full((b, n), -1, dtype=torch.long),
-            depths=torch.zeros(b, n, dtype=torch.long),
-            valid=torch.zeros(b, n, dtype=torch.bool),
-            ancestors=torch.eye(n, dtype=torch.bool).repeat(b, 1, 1),
+        n = max(len(t) for t in trees)
+        pad = [n - len(t) for t in trees]
+        tokens = torch.tensor(
+            [t.tokens + [pad_token] * p for t, p in zip(trees, pad, strict=True)], device=device
         )
-        for i, tree in enumerate(trees):
-            size = len(tree)
-            batch.tokens[i, :size] = torch.tensor(tree.tokens)
-            batch.parents[i, :size] = torch.tensor(tree.parents)
-            batch.depths[i, :size] = torch.tensor(tree.depths)
-            batch.valid[i, :size] = True
-            batch.ancestors[i, :size, :size] = tree.ancestor_matrix()
-        return batch
+        parents = torch.tensor([t.parents + [-1] * p for t, p in zip(trees, pad, strict=True)], device=device)
+        depths = torch.tensor([t.depths + [0] * p for t, p in zip(trees, pad, strict=True)], device=device)
+        sizes = torch.tensor([len(t) for t in trees], device=device)
+        valid = torch.arange(n, device=device)[None] < sizes[:, None]
+        return cls(tokens, parents, depths, valid, ancestor_masks(parents, max(max(t.depths) for t in trees)))
 
     def to(self, device: torch.device | str) -> TreeBatch:
         return TreeBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+@dataclass
+class ChainDraft:
+    """Greedy chains drafted by one SSM for a batch, still on the model's device: the verifier reads
+    them back together with its verdicts (one host read per step) and only then builds the rows'
+    `TokenTree`s."""
+
+    roots: list[int]  # [B] each row's root (its last verified token)
+    tokens: torch.Tensor  # [B, L] drafted tokens; row b's first lengths[b] are real
+    lengths: list[int]  # [B] drafted tokens per row
+    ssm: int  # the SSM that drafted them
+
+    def batch(self) -> TreeBatch:
+        """The chains (root first) as a `TreeBatch` on the tokens' device."""
+        b, n = len(self.roots), self.tokens.shape[1] + 1
+        device = self.tokens.device
+        step = torch.arange(n, device=device)
+        sizes = torch.tensor(self.lengths, device=device) + 1
+        valid = step[None] < sizes[:, None]
+        tokens = torch.cat([torch.tensor(self.roots, device=device)[:, None], self.tokens], 1) * valid
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(n, dtype=torch.bool, device=device)
+        ancestors = torch.where(valid[:, :, None], causal & valid[:, None, :], eye)  # padding: itself
+        parents = torch.where(valid, step - 1, -1).expand(b, n)
+        return TreeBatch(tokens, parents, (step * valid).expand(b, n).clone(), valid, ancestors)
+
+    def trees(self, drafted: list[list[int]]) -> list[TokenTree]:
+        """The rows' trees, from the drafted tokens read back to the host ([B][L])."""
+        out = []
+        for root, tokens, length in zip(self.roots, drafted, self.lengths, strict=True):
+            tree = TokenTree.root_only(root, DraftKind.GREEDY)
+            tree.add_sequence(tokens[:length], self.ssm)
+            out.append(tree)
+        return out

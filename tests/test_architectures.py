@@ -20,9 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, TopologyShape
 from specboost.speculator.attention_layout import AttentionLayout
-from specboost.speculator.kv_cache import new_cache
-from specboost.speculator.tree import TokenTree
-from specboost.speculator.tree_attention import causal_forward, tree_forward
+from specboost.speculator.kv_cache import TreeCache
+from specboost.speculator.tree import TokenTree, TreeBatch
 
 VOCAB = 64
 WINDOW = 5  # binds: prompts of 9 tokens + 20 new ones
@@ -164,10 +163,11 @@ def test_one_tree_pass_equals_every_path_past_the_window(arch: str) -> None:
     tree = TokenTree.root_only(prefix[-1])
     for path in ([4, 7, 9, 2], [4, 11], [13, 7, 7]):
         tree.add_sequence(path, 0)
-    cache = new_cache()
+    cache = TreeCache(llm, 1, 128)
+    batch = TreeBatch.pack([tree])
     with torch.no_grad():
-        causal_forward(llm, cache, prefix[:-1])
-        logits = tree_forward(llm, cache, tree, range(len(tree)), len(prefix) - 1).logits
+        cache.feed_chains([prefix[:-1]])
+        logits = cache.feed(batch.tokens, cache.lengths[0] + batch.depths, batch.ancestors).logits[0]
         for u in range(len(tree)):
             path = prefix + [tree.tokens[v] for v in tree.path_to(u)]
             expected = llm(torch.tensor([path])).logits[0, -1]

@@ -258,16 +258,22 @@ def sampling_models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 @torch.no_grad()
-def generate_distribution(options: dict[str, Any], length: int) -> torch.Tensor:
-    """[V] * length: the joint distribution `llm.generate` samples the first `length` tokens from,
-    from its own processed scores (`output_scores`), one call per prefix."""
-    llm, _ = sampling_models()
+def generate_distribution(
+    options: dict[str, Any],
+    length: int,
+    llm: torch.nn.Module | None = None,
+    prompt: list[int] = SAMPLE_PROMPT,
+) -> torch.Tensor:
+    """[V] * length: the joint distribution `llm.generate` samples the first `length` tokens after
+    `prompt` from, from its own processed scores (`output_scores`), one call per prefix."""
+    llm = llm if llm is not None else sampling_models()[0]
+    vocab = llm.config.vocab_size
     joint = torch.ones(1, dtype=torch.float64)
     prefixes: list[list[int]] = [[]]
     for _ in range(length):
         rows = []
         for prefix in prefixes:
-            ids = torch.tensor([SAMPLE_PROMPT + prefix])
+            ids = torch.tensor([prompt + prefix], device=llm.device)
             out = llm.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -277,10 +283,10 @@ def generate_distribution(options: dict[str, Any], length: int) -> torch.Tensor:
                 return_dict_in_generate=True,
                 **options,
             )
-            rows.append(torch.softmax(out.scores[0][0].double(), -1))
+            rows.append(torch.softmax(out.scores[0][0].double(), -1).cpu())
         joint = (joint[:, None] * torch.stack(rows)).reshape(-1)
-        prefixes = [[*p, t] for p in prefixes for t in range(SAMPLE_VOCAB)]
-    return joint.reshape([SAMPLE_VOCAB] * length)
+        prefixes = [[*p, t] for p in prefixes for t in range(vocab)]
+    return joint.reshape([vocab] * length)
 
 
 SAMPLED = [*sorted(name for name, (kind, _) in CASES.items() if kind == "sample"), "repetition_penalty"]

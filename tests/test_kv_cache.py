@@ -1,5 +1,7 @@
-"""KV cache compaction (ALGORITHMS.md section 1): after a verification step the caches of the LLM
-and of the SSMs hold exactly what a plain forward over the accepted sequence would build."""
+"""Fixed-capacity tree caches (ALGORITHMS.md sections 1 and 11): after any sequence of tree passes,
+commits, truncations, row selections and growth, every row of a `TreeCache` holds exactly what a
+plain forward over its text would build, and a pass over it gives the same logits. The LLM side
+(the verifiers) and the SSM side (`SSMDrafter` sync) are checked on real models."""
 
 from __future__ import annotations
 
@@ -10,16 +12,16 @@ import torch
 from conftest import ARCHITECTURES, VOCAB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import DynamicCache, PreTrainedModel
 
-from specboost.decoder.target import TargetState
+from specboost.decoder.sequence import SequenceState
+from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, SSMDrafter, TopologyShape
-from specboost.speculator.kv_cache import compact_cache, crop_cache, new_cache
+from specboost.speculator.kv_cache import CAPACITY_STEP, TreeCache, bucket
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
-from specboost.speculator.tree import DraftKind, TokenTree
-from specboost.speculator.tree_attention import causal_forward
+from specboost.speculator.tree import DraftKind, TokenTree, TreeBatch
 
 ARCHS = sorted(ARCHITECTURES)
 MODEL_SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -29,6 +31,7 @@ SHAPES = {
     "beam": BeamShape(width=3, depth=3),
     "topology": TopologyShape.from_children_counts([[3], [2, 1, 1], [1, 1, 0, 1]]),
 }
+tokens = st.integers(0, VOCAB - 1)
 
 
 @functools.cache
@@ -41,31 +44,25 @@ def ssm_for(arch: str) -> PreTrainedModel:
     return ARCHITECTURES[arch](layers=1, seed=5)
 
 
-def fresh_cache(model: PreTrainedModel, tokens: list[int]) -> DynamicCache:
-    """The reference: a new cache filled by one plain causal forward over `tokens`."""
-    cache = new_cache()
-    if tokens:
+def reference(model: PreTrainedModel, text: list[int]) -> DynamicCache:
+    """A new cache filled by one plain causal forward over `text`."""
+    cache = DynamicCache()
+    if text:
         with torch.no_grad():
-            causal_forward(model, cache, tokens)
+            model(input_ids=torch.tensor([text]), past_key_values=cache, use_cache=True)
     return cache
 
 
-def assert_same_cache(cache: DynamicCache, expected: DynamicCache, length: int | None = None) -> None:
-    """Every layer's keys and values equal (the first `length` positions of `cache`, if given)."""
-    n = expected.get_seq_length()
-    if length is None:
-        assert cache.get_seq_length() == n
-    else:
-        assert n == length <= cache.get_seq_length()
-    if n == 0:  # nothing to compare (an empty reference cache has no layers yet)
-        assert all(not layer.is_initialized or layer.keys.shape[-2] == 0 for layer in cache.layers)
+def assert_row_holds(cache: TreeCache, row: int, model: PreTrainedModel, text: list[int]) -> None:
+    """Row `row` of `cache` commits exactly `text`: its K/V equal a fresh forward's."""
+    assert cache.lengths[row] == len(text)
+    if not text:
         return
-    assert len(cache.layers) == len(expected.layers)
-    for layer, ref in zip(cache.layers, expected.layers, strict=True):
-        keys, values = layer.keys[..., :n, :], layer.values[..., :n, :]
-        assert keys.shape == ref.keys.shape and values.shape == ref.values.shape
-        torch.testing.assert_close(keys, ref.keys, atol=1e-10, rtol=0)
-        torch.testing.assert_close(values, ref.values, atol=1e-10, rtol=0)
+    expected = reference(model, text)
+    for layer, ref in zip(cache.cache.layers, expected.layers, strict=True):
+        n = len(text)
+        torch.testing.assert_close(layer.keys[row : row + 1, :, :n], ref.keys, atol=1e-10, rtol=0)
+        torch.testing.assert_close(layer.values[row : row + 1, :, :n], ref.values, atol=1e-10, rtol=0)
 
 
 @st.composite
@@ -74,34 +71,92 @@ def trees(draw: st.DrawFn, root: int, max_nodes: int = 10) -> TokenTree:
     tree = TokenTree.root_only(root, DraftKind.GREEDY)
     for _ in range(draw(st.integers(0, max_nodes - 1))):
         parent = draw(st.integers(0, len(tree) - 1))
-        tree.add_child(parent, draw(st.integers(0, VOCAB - 1)), ssm=0)
+        tree.add_child(parent, draw(tokens), ssm=0)
     return tree
 
 
-tokens = st.integers(0, VOCAB - 1)
+def feed_trees(cache: TreeCache, trees_: list[TokenTree]) -> torch.Tensor:
+    batch = TreeBatch.pack(trees_)
+    lengths = torch.tensor(cache.lengths)[:, None]
+    return cache.feed(batch.tokens, lengths + batch.depths, batch.ancestors).logits
 
 
-# The LLM side: TargetState -----------------------------------------------------------------------
+# The cache itself --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
 @MODEL_SETTINGS
-@given(prompt=st.lists(tokens, min_size=1, max_size=6), data=st.data())
-def test_llm_cache_after_verification_equals_recomputed_prefix(
-    arch: str, prompt: list[int], data: st.DataObject
+@given(prompts=st.lists(st.lists(tokens, min_size=1, max_size=6), min_size=1, max_size=3), data=st.data())
+def test_rows_after_tree_passes_equal_recomputed_texts(
+    arch: str, padded: bool, prompts: list[list[int]], data: st.DataObject
 ) -> None:
+    """Ragged rows: each step feeds a tree per row and commits the root and a random path. With
+    `padded`, the cache pads rows and nodes to their buckets as it does for a compiled model (the
+    "compiled" call here is the model itself)."""
     llm = llm_for(arch)
-    target = TargetState(llm, prompt)
-    assert_same_cache(target.cache, fresh_cache(llm, prompt[:-1]))
-    for _ in range(2):  # two verification steps in a row: the compacted cache is reused
-        tree = data.draw(trees(root=target.tokens[-1]), label="tree")
-        logits = target.tree_logits(tree)
-        assert logits.shape == (len(tree), VOCAB)
-        assert target.cache.get_seq_length() == target.prefix_length + len(tree)
-        accepted = tree.path_to(data.draw(st.integers(0, len(tree) - 1), label="last accepted node"))
-        next_token = data.draw(tokens, label="correction")
-        target.keep_accepted(accepted)
-        target.append([tree.tokens[u] for u in accepted] + [next_token])
-        assert target.cache.get_seq_length() == target.prefix_length == len(target.tokens) - 1
-        assert_same_cache(target.cache, fresh_cache(llm, target.tokens[:-1]))
+    cache = TreeCache(llm, len(prompts), CAPACITY_STEP, compiled=llm.__call__ if padded else None)
+    assert cache.physical_rows == (bucket(len(prompts)) if padded else len(prompts))
+    texts = [p[:-1] for p in prompts]  # the LLM caches every verified token but the root
+    roots = [p[-1] for p in prompts]
+    cache.feed_chains(texts)
+    for row, text in enumerate(texts):
+        assert_row_holds(cache, row, llm, text)
+    for _ in range(2):
+        step = [data.draw(trees(root=root), label="tree") for root in roots]
+        logits = feed_trees(cache, step)
+        for row, tree in enumerate(step):  # tree logits equal plain passes over each path
+            node = data.draw(st.integers(0, len(tree) - 1), label="node")
+            path = texts[row] + [tree.tokens[v] for v in [0, *tree.path_to(node)]]
+            with torch.no_grad():
+                expected = llm(input_ids=torch.tensor([path])).logits[0, -1]
+            torch.testing.assert_close(logits[row, node], expected, atol=1e-9, rtol=0)
+        kept = [tree.path_to(data.draw(st.integers(0, len(tree) - 1), label="accepted")) for tree in step]
+        cache.commit([[0, *path] for path in kept])
+        for row, (tree, path) in enumerate(zip(step, kept, strict=True)):
+            texts[row] += [tree.tokens[v] for v in [0, *path]]
+            roots[row] = data.draw(tokens, label="next root")
+            assert_row_holds(cache, row, llm, texts[row])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_truncate_select_extend_and_growth_keep_every_row(arch: str) -> None:
+    llm = llm_for(arch)
+    texts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    cache = TreeCache(llm, 3, CAPACITY_STEP)
+    cache.feed_chains(texts)
+    cache.truncate(0, 2)
+    texts[0] = texts[0][:2]
+    cache.select([2, 0])
+    texts = [texts[2], texts[0]]
+    other = TreeCache(llm, 1, 2 * CAPACITY_STEP)
+    other.feed_chains([[11, 12, 13, 14]])
+    cache.extend(other)
+    texts.append([11, 12, 13, 14])
+    assert cache.capacity == 2 * CAPACITY_STEP and cache.physical_rows == 3
+    for row, text in enumerate(texts):
+        assert_row_holds(cache, row, llm, text)
+    if arch != "llama":
+        return  # the others' learned position embeddings end before a third capacity step
+    long = list(range(1, 40)) * 4  # grows the capacity past 2 steps
+    cache.feed_chains([long, [], [7]])
+    texts[0] += long
+    texts[2] += [7]
+    assert cache.capacity >= len(texts[0]) and cache.capacity % CAPACITY_STEP == 0
+    for row, text in enumerate(texts):
+        assert_row_holds(cache, row, llm, text)
+
+
+def test_capacity_limit_is_refused_with_the_numbers() -> None:
+    llm = llm_for("gpt2")  # 128 positions
+    cache = TreeCache(llm, 1, CAPACITY_STEP)
+    with pytest.raises(ValueError, match=r"exceed the cache's capacity limit of \d+ positions"):
+        cache.feed_chains([list(range(VOCAB)) * 20])
+
+
+# The LLM side: the verifiers --------------------------------------------------------------------------
+def row_state(prompt: list[int], tree: TokenTree) -> SequenceState:
+    row = SequenceState(list(prompt), len(prompt), StopCriteria(16), GREEDY, Rule.GREEDY)
+    row.tree = tree
+    return row
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -118,19 +173,16 @@ def test_verifiers_leave_the_llm_cache_at_the_accepted_sequence(arch: str, verif
         pad_token_id=0,
     )[0, 5:].tolist()
     for k in range(5):
-        target = TargetState(llm, prompt)
+        cache = TreeCache(llm, 1, CAPACITY_STEP)
+        cache.feed_chains([prompt[:-1]])
         draft = [*greedy[:k], (greedy[k] + 1) % VOCAB, *greedy[k + 1 :]][:4]  # wrong at position k
         tree = TokenTree.root_only(prompt[-1], DraftKind.GREEDY)
         tree.add_sequence(draft, ssm=0)
-        if verifier == "stairs":
-            verdict = StairsVerifier().verify(target, tree, GREEDY, None, Rule.GREEDY)
-        else:
-            verdict = TreeVerifier("greedy").verify(target, tree, GREEDY, None, Rule.GREEDY)
+        check = StairsVerifier() if verifier == "stairs" else TreeVerifier("greedy")
+        [verdict], _ = check.verify(cache, [row_state(prompt, tree)], keep_hidden=False)
         assert verdict.accepted == list(range(1, k + 1))
         assert verdict.next_token == greedy[k]
-        target.append([tree.tokens[u] for u in verdict.accepted] + [verdict.next_token])
-        assert target.tokens == prompt + greedy[: k + 1]
-        assert_same_cache(target.cache, fresh_cache(llm, target.tokens[:-1]))
+        assert_row_holds(cache, 0, llm, prompt + greedy[:k])
 
 
 # The SSM side: SSMDrafter sync --------------------------------------------------------------------
@@ -158,8 +210,8 @@ def test_ssm_cache_after_sync_equals_recomputed_prefix(
 
         tree = drafter.draft(verified, SHAPES[shape], GREEDY, max_depth=4)  # syncs, then drafts
         assert drafter.cached_tokens == verified
-        # The verified tokens come first in the SSM cache (drafted nodes may follow them).
-        assert_same_cache(drafter.cache, fresh_cache(ssm, verified), length=len(verified))
+        # The verified tokens are the committed text of the SSM cache (drafted nodes are pending).
+        assert_row_holds(drafter.cache, 0, ssm, verified)
         # Drafting does not depend on the history: a fresh drafter drafts the same tree.
         fresh = SSMDrafter(ssm, 0).draft(verified, SHAPES[shape], GREEDY, max_depth=4)
         assert (tree.tokens, tree.parents) == (fresh.tokens, fresh.parents)
@@ -173,49 +225,4 @@ def test_ssm_sync_after_a_divergent_history_recomputes(arch: str) -> None:
     drafter.draft([1, 2, 3, 4, 5], ChainShape(3), GREEDY, max_depth=3)
     drafter.draft([1, 2, 9, 9], ChainShape(3), GREEDY, max_depth=3)
     assert drafter.cached_tokens == [1, 2, 9, 9]
-    assert_same_cache(drafter.cache, fresh_cache(ssm, [1, 2, 9, 9]), length=4)
-
-
-# compact_cache and crop_cache ---------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
-@given(seq=st.lists(tokens, min_size=1, max_size=12), data=st.data())
-@settings(max_examples=15, deadline=None)
-def test_crop_cache_equals_a_shorter_forward(arch: str, seq: list[int], data: st.DataObject) -> None:
-    llm = llm_for(arch)
-    cache = fresh_cache(llm, seq)
-    length = data.draw(st.integers(0, len(seq) + 2))
-    crop_cache(cache, length)
-    assert cache.get_seq_length() == min(length, len(seq))
-    assert_same_cache(cache, fresh_cache(llm, seq[:length]))
-    # The cropped cache continues exactly like a fresh one.
-    more = data.draw(st.lists(tokens, min_size=1, max_size=3))
-    with torch.no_grad():
-        cont = causal_forward(llm, cache, more).logits
-        ref = llm(input_ids=torch.tensor([seq[:length] + more])).logits[0, -len(more) :]
-    torch.testing.assert_close(cont, ref, atol=1e-9, rtol=0)
-
-
-@given(st.integers(1, 10), st.data())
-def test_compact_cache_keeps_the_given_positions_in_order(n: int, data: st.DataObject) -> None:
-    cache = DynamicCache()
-    keys = torch.randn(1, 2, n, 4, dtype=torch.float64)
-    values = torch.randn(1, 2, n, 4, dtype=torch.float64)
-    for layer in range(2):
-        cache.update(keys + layer, values - layer, layer)
-    keep = data.draw(st.lists(st.integers(0, n - 1), max_size=n, unique=True))
-    compact_cache(cache, keep)
-    compact_cache(cache, torch.arange(len(keep)))  # a tensor index works too, identity here
-    for layer in range(2):
-        assert torch.equal(cache.layers[layer].keys, (keys + layer)[:, :, keep])
-        assert torch.equal(cache.layers[layer].values, (values - layer)[:, :, keep])
-    assert cache.get_seq_length() == len(keep)
-
-
-def test_compact_cache_leaves_an_empty_cache_alone_and_refuses_other_layer_types() -> None:
-    cache = new_cache()
-    compact_cache(cache, [])
-    crop_cache(cache, 0)
-    assert cache.get_seq_length() == 0
-    static = StaticCache(config=llm_for("llama").config, max_cache_len=8)
-    with pytest.raises(NotImplementedError, match="does not support cache layers of type"):
-        compact_cache(static, [0, 1])
+    assert_row_holds(drafter.cache, 0, ssm, [1, 2, 9, 9])

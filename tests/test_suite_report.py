@@ -312,10 +312,30 @@ def test_only_batch_tables_show_the_per_token_latency() -> None:
     single_header = markdown_table(single).splitlines()[0]
     assert single_header == (
         "| rank | method | tokens/step | drafted/step | acceptance | per SSM | draft/verify/other "
-        "| tokens/s | vs plain | vs HF assisted | output |"
+        "| tokens/s | vs plain | vs best plain | vs HF assisted | output |"
     )
     lines = markdown_table(batch).splitlines()
     assert "| tokens/s | ms/token first / last / mean | vs plain |" in lines[0]
-    assert lines[1] == "|" + "---|" * 12
+    assert lines[1] == "|" + "---|" * 13
     assert any("`plain`" in line and "| 100.00 / 250.00 / 175.00 |" in line for line in lines)
     assert any("`batched`" in line and "| 50.00 / 60.00 / 55.00 |" in line for line in lines)
+
+
+def test_speedup_vs_best_plain_is_against_the_fastest_plain_decoding() -> None:
+    """`plain_static` and `plain_compiled` (transformers' static cache, eager and compiled) are plain
+    decoding too: "vs best plain" divides by the fastest of the three, repeat by repeat."""
+    extra = []
+    for repeat, (static, compiled) in enumerate([(0.9, 0.8), (0.8, 0.7), (0.85, 0.6)]):
+        extra += [hf("plain_static", repeat, static, 12, 12), hf("plain_compiled", repeat, compiled, 12, 12)]
+    methods = METHODS | {"plain_static": "static", "plain_compiled": "compiled"}
+    rows = rows_by_name(summarise(records() + extra, methods, greedy=True))
+    # plain_compiled is the fastest (median 0.7 s): chain vs it per repeat = 2.0, 1.56, 1.2.
+    vs_best = rows["chain[0]"].speedup_vs_best_plain
+    assert (vs_best.median, vs_best.low, vs_best.high) == pytest.approx((0.7 / 0.45, 0.6 / 0.5, 0.8 / 0.4))
+    assert (
+        rows["plain"].speedup_vs_best_plain.median < 1
+        and rows["plain_compiled"].speedup_vs_best_plain.median == 1
+    )
+    assert rows["chain[0]"].draft_ms_per_token == pytest.approx(
+        1e3 * 0.6 / 48
+    )  # 0.2 s x 3 repeats / 48 drafts

@@ -58,6 +58,7 @@ def test_the_suite_runs_every_method_on_given_models(
         "batch_sizes": [1, 2],
         "repeats": 1,
         "warmup": 0,
+        "compiled": False,  # compiling takes minutes: tests/test_compiled.py checks compiled decoding
     }
     suite_file = tmp_path / "suite.json"
     suite_file.write_text(json.dumps(settings))
@@ -80,10 +81,15 @@ def test_the_suite_runs_every_method_on_given_models(
     ]
     greedy_1 = {row["method"]: row for row in record["tables"][0]["rows"]}
     assert set(greedy_1) == {
-        "plain", "hf_assisted[0]", "hf_assisted[1]", "chain[0]", "chain[1]", "stairs[0]", "pool_chain",
-        "pool_beam", "majority", "majority+adaptive", "pruned", "sequoia", "learned",
+        "plain", "plain_static", "hf_assisted[0]", "hf_assisted[1]", "chain[0]", "chain[1]", "stairs[0]",
+        "pool_chain", "pool_beam", "majority", "majority+adaptive", "pruned", "sequoia", "learned",
     }  # fmt: skip
-    assert {row["method"] for row in record["tables"][2]["rows"]} == {"plain", "batched", "engine"}
+    assert {row["method"] for row in record["tables"][2]["rows"]} == {
+        "plain",
+        "plain_static",
+        "batched",
+        "engine",
+    }
     for table in record["tables"]:
         assert set(table["per_category"]) == {"qa", "math"}
         for row in table["rows"]:
@@ -148,7 +154,7 @@ def test_methods_a_bare_pool_cannot_run_are_skipped_with_the_reason(tmp_path: Pa
     export.export_pool(make_boost(tmp_path, (llm_dir, ssm_dirs)), tmp_path / "pool")
     models = SuiteModels.load(llm_dir, tmp_path / "pool", "float32", "cpu")
     probe = encode_batches([Prompt("Once upon a time", "test", 0)], models.tokenizer, 1, 16)[0]
-    method_set = build_methods(models, GREEDY, 1, 4, Shapes(), probe)
+    method_set = build_methods(models, GREEDY, 1, 4, Shapes(), probe, compiled=False)
     assert set(method_set.skipped) == {"learned", "sequoia"}
     assert "no match-length predictor" in method_set.skipped["learned"]
     assert "pool_chain" in {m.name for m in method_set.methods}

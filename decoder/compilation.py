@@ -1,0 +1,68 @@
+"""Compiled model calls: `torch.compile` of the LLM's verify pass and the SSMs' drafting passes at
+fixed shapes (PERFORMANCE.md: static caches and compiled steps are where the fastest decoders win
+back a step's overhead).
+
+Every pass feeds a `TreeCache` whose shapes come from a few buckets (rows and nodes padded to powers
+of two, capacities to multiples of 128), so a handful of graphs cover every shape and strategy.
+Compiling is transformers' own `PreTrainedModel.get_compiled_call`; on CUDA with CUDA graphs
+(`mode="reduce-overhead"`), elsewhere inductor's default mode. Prompts and other long passes run
+eagerly (`COMPILED_MAX_NODES`). A graph is compiled the first time its shape is met: call
+`SpeculativeDecoder.warmup` to pay that before timing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation import CompileConfig
+
+from specboost.speculator.kv_cache import ModelCall
+
+CompileSetting = bool | Literal["auto"]
+# Graphs per compiled call: row buckets x node buckets x capacities in use. dynamo's default of 8
+# recompilations per code object would fall back to eager after a few shapes.
+RECOMPILE_LIMIT = 64
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """compile="auto": compile on CUDA (CUDA graphs take the per-kernel launch cost away, the
+    dominant cost of a small model's step there); run eagerly on other devices, where compiling
+    takes minutes and gains less (see the README's compiled rows)."""
+    return device.type == "cuda"
+
+
+def check_can_compile(device: torch.device) -> None:
+    """Raise a RuntimeError naming the fallback when this machine cannot compile for `device`."""
+    if device.type == "cpu":
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None and shutil.which("c++") is None:
+            raise RuntimeError(
+                f"compile=True needs a C++ compiler for inductor's CPU code ({compiler!r} was not found): "
+                "install one (e.g. g++) or use compile=False"
+            )
+
+
+class ModelCalls:
+    """The compiled call of each model of a decoder (None for a model that runs eagerly)."""
+
+    def __init__(self, models: Iterable[PreTrainedModel] = (), enabled: bool = False) -> None:
+        self.enabled = enabled
+        self._calls: dict[int, ModelCall] = {}
+        if not enabled:
+            return
+        models = list(models)
+        check_can_compile(models[0].device)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        for model in models:
+            mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+            self._calls[id(model)] = model.get_compiled_call(
+                CompileConfig(fullgraph=False, dynamic=False, mode=mode)
+            )
+
+    def get(self, model: PreTrainedModel) -> ModelCall | None:
+        return self._calls.get(id(model))

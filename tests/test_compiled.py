@@ -1,0 +1,59 @@
+"""`SpeculativeDecoder(compile=True)`: the LLM's verify pass and the SSMs' drafting passes run as
+torch.compile'd graphs at bucketed shapes (nodes padded; the row padding of compiled caches is
+checked without compiling in tests/test_kv_cache.py); greedy output is still `llm.generate`'s,
+token for token. Compiling on the CPU takes about a minute; a batch is the `slow` test, and the
+CUDA run with CUDA graphs is in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_llama
+
+from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
+
+PROMPTS = [[3, 17, 42, 8, 8, 51, 23], [12, 5, 60]]
+
+
+def compiled_decoder() -> SpeculativeDecoder:
+    llm = tiny_llama(layers=2, seed=0).float()
+    return SpeculativeDecoder(llm, [noisy_copy(llm, 0.1, seed=1)], shape=ChainShape(3), compile=True)
+
+
+def test_compiled_decoding_equals_generate() -> None:
+    dec = compiled_decoder()
+    llm = dec.llm
+    assert dec.calls.enabled and dec.calls.get(llm) is not None
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+        assert torch.equal(dec.generate(ids, max_new_tokens=12).sequences, expected)
+
+
+@pytest.mark.slow
+def test_compiled_batch_equals_generate_per_row() -> None:
+    dec = compiled_decoder()
+    llm, prompts = dec.llm, PROMPTS
+    ids = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
+    mask = torch.tensor([[1] * 7, [0] * 4 + [1] * 3])
+    out = dec.generate(ids, attention_mask=mask, max_new_tokens=12)
+    for row, prompt in enumerate(prompts):
+        single = torch.tensor([prompt])
+        expected = llm.generate(
+            single, attention_mask=torch.ones_like(single), do_sample=False, max_new_tokens=12
+        )
+        assert out.sequences[row, 7:].tolist() == expected[0, len(prompt) :].tolist()
+
+
+def test_compile_setting_is_checked() -> None:
+    llm = tiny_llama(layers=1, seed=0)
+    with pytest.raises(ValueError, match='compile must be True, False or "auto"'):
+        SpeculativeDecoder(llm, [llm], compile="yes")
+    assert not SpeculativeDecoder(llm, [llm]).calls.enabled  # "auto" on the CPU: eager
+
+
+def test_compile_without_a_compiler_names_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compilation.shutil, "which", lambda name: None)
+    llm = tiny_llama(layers=1, seed=0)
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .* or use compile=False"):
+        SpeculativeDecoder(llm, [llm], compile=True)

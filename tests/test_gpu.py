@@ -1,0 +1,109 @@
+"""The decoder on CUDA (marker `gpu`; `pytest -m gpu` on a machine with a GPU, skipped elsewhere):
+greedy output equals `llm.generate` in float32 for every draft shape, strategy, rule and batch
+size, eager and compiled, and sampling keeps the LLM's distribution (chi-square against the
+exact distribution of a tiny-vocabulary model, computed on the GPU)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_llama
+from test_generation_options import generate_distribution
+from test_sampling_lossless import ALPHA, gof_pvalue, marginal, spread
+
+from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, StrategyOptions, TopologyShape
+from specboost.speculator.sequoia_acceptance import AcceptanceVector
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEVICE = "cuda"
+TOPOLOGY = TopologyShape.from_children_counts([[2], [2, 1], [1, 0, 0]])
+SEQUOIA = StrategyOptions(acceptance=AcceptanceVector((0.6, 0.2, 0.1), "greedy", 100), nodes=6)
+CONFIGS = {
+    "chain": dict(shape=ChainShape(4)),
+    "beam": dict(shape=BeamShape(2, 3)),
+    "topology": dict(shape=TOPOLOGY),
+    "stairs": dict(shape=ChainShape(3), verification="stairs"),
+    "majority": dict(shape=ChainShape(3), strategy="majority"),
+    "pruned": dict(shape=BeamShape(2, 3), strategy="pruned"),
+    "sequoia": dict(strategy="sequoia", strategy_options=SEQUOIA),
+    "minions": dict(shape=ChainShape(3), length_controller="minions"),
+}
+PROMPTS = [[3, 17, 42, 8, 8, 51, 23, 9, 30], [12, 5, 60]]
+
+
+@functools.cache
+def greedy_models() -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    llm = tiny_llama(layers=2, seed=0).float()
+    ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.3, seed=2)]
+    return llm.to(DEVICE), [ssm.to(DEVICE) for ssm in ssms]
+
+
+def reference(prompt: list[int]) -> list[int]:
+    llm, _ = greedy_models()
+    ids = torch.tensor([prompt], device=DEVICE)
+    out = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20)
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_greedy_equals_generate_in_float32(config: str, compiled: bool) -> None:
+    llm, ssms = greedy_models()
+    pool = ssms[:1] if config in ("stairs", "sequoia") else ssms
+    dec = SpeculativeDecoder(llm, pool, compile=compiled, **CONFIGS[config])
+    for prompt in PROMPTS:
+        out = dec.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=20)
+        assert out.sequences.device.type == "cuda"
+        assert out.sequences[0].tolist() == reference(prompt), f"{config} (compiled={compiled})"
+    if config == "stairs":
+        return
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS], device=DEVICE)
+    batch = dec.generate(ids, attention_mask=mask, max_new_tokens=20)
+    for row, prompt in enumerate(PROMPTS):
+        assert batch.sequences[row, width : width + 20].tolist() == reference(prompt)[len(prompt) :]
+
+
+SAMPLE_VOCAB, SAMPLE_PROMPT, SAMPLES = 6, [0, 4, 2], 600
+SAMPLED = {
+    "mss-chain": (dict(shape=ChainShape(2)), 2, dict(temperature=0.8, top_k=4)),
+    "without-replacement": (
+        dict(shape=TopologyShape.from_children_counts([[3], [1, 1, 0]])),
+        1,
+        dict(top_p=0.9),
+    ),
+    "target-beam": (dict(shape=BeamShape(2, 2), rule="target"), 1, dict(temperature=1.3)),
+}
+
+
+@functools.cache
+def sampling_models() -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    llm = spread(tiny_llama(layers=2, seed=1, vocab=SAMPLE_VOCAB)).float().to(DEVICE)
+    ssms = [spread(tiny_llama(layers=1, seed=s, vocab=SAMPLE_VOCAB)).float().to(DEVICE) for s in (2, 3)]
+    return llm, ssms
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLED))
+def test_sampling_keeps_the_distribution_on_cuda(case: str) -> None:
+    kwargs, num_ssms, options = SAMPLED[case]
+    llm, ssms = sampling_models()
+    dec = SpeculativeDecoder(llm, ssms[:num_ssms], **kwargs)
+    counts: Counter = Counter()
+    for seed in range(SAMPLES):
+        out = dec.generate(
+            torch.tensor([SAMPLE_PROMPT], device=DEVICE),
+            max_new_tokens=2,
+            do_sample=True,
+            seed=seed,
+            **options,
+        )
+        counts[tuple(out.sequences[0, len(SAMPLE_PROMPT) :].tolist())] += 1
+    exact = generate_distribution(options, 2, llm, SAMPLE_PROMPT)
+    assert gof_pvalue(marginal(counts, 2), exact) >= ALPHA
