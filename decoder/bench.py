@@ -192,6 +192,7 @@ class RunRecord:
     accepted_tokens: int | None = None
     stats: dict | None = None  # ours: the DecodeStats (DecodeStats.to_dict)
     compilations: int = 0  # graphs torch.compile built during this timed run (0 when warmed up)
+    identical_to_float32: bool | None = None  # low-precision greedy runs: same as float32 plain's
 
 
 @dataclass
@@ -502,10 +503,12 @@ def measure(
     warmup: int,
     log: Callable[[str], None],
     warmup_seconds: dict[str, float] | None = None,
+    float32_outputs: list[list[int]] | None = None,
 ) -> list[RunRecord]:
     """Run every method on every prompt, interleaved; methods[0] is the reference output. A compiled
     method warms up on every prompt (its graphs are built then, untimed); `warmup_seconds` gets each
-    method's warm-up wall time (compilation included)."""
+    method's warm-up wall time (compilation included). `float32_outputs` (per prompt batch: float32
+    plain decoding's tokens) marks each run that reproduces them (low-precision runs)."""
     device = encoded[0].input_ids.device
     log(f"{len(methods)} methods, {len(encoded)} prompts, {repeats} repeats, {warmup} warm-up")
     records: list[RunRecord] = []
@@ -540,6 +543,9 @@ def measure(
                             accepted_tokens=result.accepted_tokens,
                             stats=result.stats,
                             compilations=compiled_graphs() - graphs,
+                            identical_to_float32=(
+                                None if float32_outputs is None else result.tokens == float32_outputs[index]
+                            ),
                         )
                     )
             log(f"prompt {index + 1}/{len(encoded)} done")

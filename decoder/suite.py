@@ -241,7 +241,9 @@ def _run_cells(
         cell = Cell(workload.category, decoding.name, not decoding.do_sample, batch_size)
         log(f"[suite] {workload.category}, {decoding.name}, batch {batch_size}:")
         warmups: dict[str, float] = {}
-        records = measure(method_set.methods, encoded, config.repeats, config.warmup, log, warmups)
+        low_precision = config.dtype in ("bfloat16", "float16") and not decoding.do_sample
+        reference = models.float32_outputs(encoded, config.max_new_tokens) if low_precision else None
+        records = measure(method_set.methods, encoded, config.repeats, config.warmup, log, warmups, reference)
         runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records, warmups))
     return runs
 

@@ -18,6 +18,7 @@ batched decoding not implemented) is skipped with the reason: `MethodSet.skipped
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,22 @@ class SuiteModels:
         pool = SSMPool.from_pretrained(pool_path, device=device, dtype=DTYPES[dtype])
         pool.check_llm(llm, tokenizer)
         return cls(llm, tokenizer, pool, ForwardCounter(llm))
+
+    def float32_outputs(self, encoded: Sequence[BatchEncoding], max_new: int) -> list[list[int]]:
+        """Greedy float32 plain decoding of every prompt batch (the reference of low-precision runs;
+        rows after one another, as `_new_tokens` lays them out)."""
+        llm32 = copy.deepcopy(self.llm).float()
+        with torch.inference_mode():
+            outputs = [
+                llm32.generate(**enc.to(llm32.device), max_new_tokens=max_new, do_sample=False)[
+                    :, enc.input_ids.shape[1] :
+                ]
+                .flatten()
+                .tolist()
+                for enc in encoded
+            ]
+        del llm32
+        return outputs
 
     def parameters(self) -> dict[str, int | list[int]]:
         def count(model: PreTrainedModel) -> int:
