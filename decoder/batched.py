@@ -135,15 +135,16 @@ class BatchedDecoder:
         for row in rows:
             row.started = start
         group = decode(decoder, rows, self.config)
-        seconds = group.timer.seconds
+        # Every row joined at the first step, so the last to finish spent every step in the loop.
+        last = max(rows, key=lambda row: row.finished).stats
         stats = BatchStats(
             sequences=[row.stats for row in rows],
             latencies=[row.finished - start for row in rows],
             llm_steps=group.llm_steps,
             lengths=group.lengths,
-            time_draft=seconds["draft"],
-            time_verify=seconds["verify"],
-            time_other=seconds["other"],
+            time_draft=last.time_draft,
+            time_verify=last.time_verify,
+            time_other=last.time_other,
             time_total=time.perf_counter() - start,
         )
         pad = pad_token_id(decoder, rows[0].stop.eos_token_ids)

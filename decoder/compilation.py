@@ -4,10 +4,13 @@ back a step's overhead).
 
 Every pass feeds a `TreeCache` whose shapes come from a few buckets (rows and nodes padded to powers
 of two, capacities to multiples of 128), so a handful of graphs cover every shape and strategy.
-Compiling is transformers' own `PreTrainedModel.get_compiled_call`; on CUDA with CUDA graphs
-(`mode="reduce-overhead"`), elsewhere inductor's default mode. Prompts and other long passes run
-eagerly (`COMPILED_MAX_NODES`). A graph is compiled the first time its shape is met: call
-`SpeculativeDecoder.warmup` to pay that before timing anything.
+What is compiled is the whole tree pass (`speculator.kv_cache.tree_pass`: the tree-attention mask
+and the model's forward), so that the mask is built inside the graph. On CUDA with CUDA graphs
+(`mode="reduce-overhead"`); on the CPU with inductor's C++ wrapper (`cpp_wrapper`), which calls the
+generated kernels without a Python wrapper per kernel (a small model's forward is dominated by that
+wrapper otherwise). Prompts and other long passes run eagerly (`COMPILED_MAX_NODES`). A graph is
+compiled the first time its shape is met: call `SpeculativeDecoder.warmup` to pay that before timing
+anything.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
-from transformers.generation import CompileConfig
 
-from specboost.speculator.kv_cache import ModelCall
+from specboost.speculator.kv_cache import ModelCall, tree_pass
 
 CompileSetting = bool | Literal["auto"]
 # Graphs per compiled call: row buckets x node buckets x capacities in use. dynamo's default of 8
@@ -59,10 +61,18 @@ class ModelCalls:
         check_can_compile(models[0].device)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         for model in models:
-            mode = "reduce-overhead" if model.device.type == "cuda" else "default"
-            self._calls[id(model)] = model.get_compiled_call(
-                CompileConfig(fullgraph=False, dynamic=False, mode=mode)
+            self._calls[id(model)] = torch.compile(
+                tree_pass, fullgraph=False, dynamic=False, **compile_options(model.device)
             )
 
     def get(self, model: PreTrainedModel) -> ModelCall | None:
         return self._calls.get(id(model))
+
+
+def compile_options(device: torch.device) -> dict[str, object]:
+    """`torch.compile` keyword arguments per device: CUDA graphs on CUDA; elsewhere inductor with its
+    C++ wrapper (the same settings serve the compiled plain-decoding baseline, so that both sides of a
+    comparison are compiled alike)."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {"options": {"cpp_wrapper": True}}

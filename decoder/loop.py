@@ -90,6 +90,8 @@ class SequenceGroup:
         return len(self.rows)
 
     def admit(self, rows: list[SequenceState]) -> None:
+        for row in rows:
+            row.timer_mark = self.timer.mark()
         self.rows += rows
         self._unread += len(rows)
         self.drafting.add(rows)
@@ -105,6 +107,7 @@ class SequenceGroup:
         self._unread = sum(i >= read for i in kept)
         self.drafting.retain(self.rows, kept)
         self.rows = [self.rows[i] for i in kept]
+        self.timer.forget_before(min((row.timer_mark for row in self.rows), default=self.timer.mark()))
         return removed
 
     # 1. Draft ----------------------------------------------------------------------------------------
@@ -115,14 +118,11 @@ class SequenceGroup:
                 self._read_prompts()
         depths = [row.max_depth(self.max_positions) for row in self.rows]
         length = self.controller.length() if self.controller is not None else None
-        start = time.perf_counter()
         with self.timer.phase("draft"):
             drafted = self.drafting.propose(self.rows, depths, length)
-        seconds = time.perf_counter() - start
         self.chains = drafted if isinstance(drafted, ChainDraft) else None  # trees come with the verdicts
         for b, row in enumerate(self.rows):
             row.tree = None if self.chains is not None else drafted[b]
-            row.stats.time_draft += seconds
         if length is not None:
             self.lengths.append(length)
 
@@ -137,6 +137,8 @@ class SequenceGroup:
             verdicts, hidden = self.decoder.verifier.verify(
                 self.target, self.rows, self.keep_hidden, self.chains
             )
+        # Host time of the verification (on CUDA it also waits for the drafting queued before it: the
+        # verdicts are read back here); what the length controllers and strategies learn from.
         seconds = time.perf_counter() - start
         self.llm_steps += 1
         with self.timer.phase("other"):
@@ -144,7 +146,6 @@ class SequenceGroup:
                 emitted = [row.tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
                 row.tokens.extend(row.stop.extend(emitted))
                 record_step(row.stats, row.tree, verdict.accepted)
-                row.stats.time_verify += seconds
                 if hidden is not None:
                     row.hidden = hidden[b]
                 if self.max_positions is not None and len(row.tokens) > self.max_positions:
@@ -183,6 +184,8 @@ class SequenceGroup:
         s = row.stats
         s.new_tokens = len(row.new_tokens)
         s.time_total = now - row.started
+        phases = self.timer.seconds_since(row.timer_mark)  # the steps since the row joined
+        s.time_draft, s.time_verify = phases["draft"], phases["verify"]
         s.time_other = max(0.0, s.time_total - s.time_draft - s.time_verify)
         s.strategy = self.drafting.report(index)
 

@@ -41,6 +41,7 @@ class SequenceState:
     hidden: torch.Tensor | None = None  # [H] LLM state before the root, for strategies that want it
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None  # when its last token was emitted
+    timer_mark: int = 0  # the group timer's mark when the row joined (its phases are those since)
     settings: GenerationSettings | None = None  # the resolved generation options
 
     @property

@@ -67,22 +67,51 @@ def per_token_latency(latencies: Sequence[float], new_tokens: Sequence[int]) -> 
 
 
 class PhaseTimer:
-    """Wall-clock time per phase of the decode loop; syncs CUDA so GPU work lands in its phase."""
+    """Time per phase of the decode loop. On CUDA each phase is timed by a pair of CUDA events and
+    read only when asked for, so that timing adds no host-device synchronisation to a step; elsewhere
+    by the host clock. `mark()` / `seconds_since(mark)` give the phases of the steps since a row
+    joined the loop; `forget_before(mark)` drops what no row needs any more."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.events = device.type == "cuda"
+        self._records: list[tuple[str, object, object]] = []  # (phase, start, end): times or events
+        self._offset = 0  # marks of the records dropped by `forget_before`
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _now(self) -> object:
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self._sync()
-        start = time.perf_counter()
+        start = self._now()
         try:
             yield
         finally:
-            self._sync()
-            self.seconds[name] += time.perf_counter() - start
+            self._records.append((name, start, self._now()))
+
+    def mark(self) -> int:
+        """The position of the next phase record."""
+        return self._offset + len(self._records)
+
+    def seconds_since(self, mark: int = 0) -> dict[str, float]:
+        """Seconds per phase over the records from `mark` on (waits for their CUDA events)."""
+        out: dict[str, float] = defaultdict(float)
+        for name, start, end in self._records[max(0, mark - self._offset) :]:
+            if self.events:
+                end.synchronize()
+                out[name] += start.elapsed_time(end) / 1000
+            else:
+                out[name] += end - start
+        return out
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return self.seconds_since(self._offset)
+
+    def forget_before(self, mark: int) -> None:
+        drop = max(0, mark - self._offset)
+        del self._records[:drop]
+        self._offset += drop

@@ -36,7 +36,7 @@ NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes:
 COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
 COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly
 
-ModelCall = Callable[..., object]  # a model's compiled __call__
+ModelCall = Callable[..., object]  # a compiled `tree_pass`
 
 
 def bucket(n: int) -> int:
@@ -57,6 +57,40 @@ def capacity_for(positions: int) -> int:
 def max_capacity(model: PreTrainedModel) -> int:
     """The most positions a cache of `model` may hold: its context and a tree's padding."""
     return capacity_for((context_length(model) or 1 << 15) + 4 * CAPACITY_STEP)
+
+
+def tree_pass(
+    model: PreTrainedModel,
+    cache: StaticCache,
+    tokens: torch.Tensor,  # [B, N] long
+    positions: torch.Tensor,  # [B, N] long
+    visible: torch.Tensor,  # [B, N, K] bool: the fed nodes (pending, then new) each new node sees
+    fed_positions: torch.Tensor,  # [B, K] long
+    counts: torch.Tensor,  # [B + 2] long: each row's committed length, then the write start and width
+    layout: AttentionLayout,
+    dtype: torch.dtype,  # the model's: the additive mask's
+    output_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass of `model` over a `TreeCache`'s StaticCache: the mask is built here (so a
+    compiled pass builds it inside its graph), the new K/V land at `counts[-2]` onward. Returns the
+    logits [B, N, V] and, when asked, the last hidden states [B, N, H]."""
+    rows = tokens.shape[0]
+    lengths, start, width = counts[:rows], counts[rows], counts[rows + 1]
+    for layer in cache.layers:
+        layer.cumulative_length.copy_(start)  # StaticLayer writes its new K/V there
+    capacity = cache.layers[0].max_cache_len
+    mask = tree_attention_mask(
+        visible, lengths, width, positions, fed_positions, capacity, model.dtype, layout
+    )
+    out = model(
+        input_ids=tokens,
+        position_ids=positions,
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=output_hidden,
+    )
+    return out.logits, out.hidden_states[-1] if output_hidden else None
 
 
 class FullStaticCache(StaticCache):
@@ -84,6 +118,7 @@ class TreeCache:
         self.compiled = compiled
         self.device = model.device
         self.layout = AttentionLayout.of(model)
+        self.dtype = model.dtype
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.capacity = capacity
         self.lengths: list[int] = [0] * rows  # committed positions per row (host copy)
@@ -109,6 +144,11 @@ class TreeCache:
         return [layer for layer in self.cache.layers if layer.is_initialized]
 
     # Feeding ---------------------------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        """Whether the K/V tensors exist (the first pass allocates them, eagerly)."""
+        return all(layer.is_initialized for layer in self.cache.layers)
+
     @torch.no_grad()
     def feed(
         self,
@@ -124,7 +164,12 @@ class TreeCache:
         b, n = tokens.shape
         if b != self.rows:
             raise ValueError(f"{b} rows of nodes for a cache of {self.rows} rows")
-        compiled = self.compiled is not None and not eager and node_bucket(n) <= COMPILED_MAX_NODES
+        compiled = (
+            self.compiled is not None
+            and not eager
+            and node_bucket(n) <= COMPILED_MAX_NODES
+            and self.initialized
+        )
         rows, nodes = self.physical_rows, node_bucket(n) if compiled else n
         start = self.width + self.pending
         if start + nodes > self.capacity:
@@ -135,21 +180,26 @@ class TreeCache:
             if self._pending_positions is None
             else torch.cat([self._pending_positions, positions], 1)
         )
-        mask = self._mask(visible, positions, fed, rows)
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(start)  # where the new K/V are written
-        out = (self.compiled if compiled else self.model)(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=output_hidden,
+        # Row lengths (padding rows: 0), where the new K/V are written, where fed nodes start.
+        counts = torch.tensor(
+            [*self.lengths, *[0] * (rows - self.rows), start, self.width], device=self.device
+        )
+        run = self.compiled if compiled else tree_pass
+        logits, hidden = run(
+            self.model,
+            self.cache,
+            tokens,
+            positions,
+            visible,
+            fed,
+            counts,
+            self.layout,
+            self.dtype,
+            output_hidden,
         )
         self._pending_positions = fed
         self.pending += nodes
-        hidden = out.hidden_states[-1][:b, :n] if output_hidden else None
-        return FedOutput(out.logits[:b, :n], hidden)
+        return FedOutput(logits[:b, :n], None if hidden is None else hidden[:b, :n])
 
     def feed_chains(
         self,
@@ -177,14 +227,6 @@ class TreeCache:
             self.commit([range(len(chain)) for chain in chains])
         rows, last = torch.arange(self.rows, device=self.device), (sizes - 1).clamp(min=0)
         return FedOutput(out.logits[rows, last], None if out.hidden is None else out.hidden[rows, last])
-
-    def _mask(
-        self, visible: torch.Tensor, positions: torch.Tensor, fed: torch.Tensor, rows: int
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        lengths = torch.tensor(self.lengths + [0] * (rows - self.rows), device=self.device)
-        return tree_attention_mask(
-            visible, lengths, self.width, positions, fed, self.capacity, self.model.dtype, self.layout
-        )
 
     def feed_column(self, tokens: torch.Tensor, active: Sequence[bool]) -> torch.Tensor:
         """Append one token per active row (`tokens` [B], on the device: nothing is read back) and
@@ -288,10 +330,13 @@ def _allocate(layer: StaticLayer, like: StaticLayer, rows: int) -> None:
     shape_v = (rows, like.values.shape[1], layer.max_cache_len, like.values.shape[3])
     layer.keys = like.keys.new_zeros(shape_k)
     layer.values = like.values.new_zeros(shape_v)
+    torch._dynamo.mark_static_address(layer.keys)  # CUDA graphs read the cache in place, never copy it
+    torch._dynamo.mark_static_address(layer.values)
     layer.dtype, layer.device = like.dtype, like.device
     layer.batch_size, layer.num_heads = rows, like.num_heads
     layer.k_head_dim, layer.v_head_dim = like.k_head_dim, like.v_head_dim
     layer.cumulative_length = layer.cumulative_length.to(like.device)
+    torch._dynamo.mark_static_address(layer.cumulative_length)
     layer.is_initialized = True
 
 

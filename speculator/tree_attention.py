@@ -18,7 +18,7 @@ from specboost.speculator.attention_layout import AttentionLayout
 def tree_attention_mask(
     visible: torch.Tensor,  # [B, N, K] bool: the K fed nodes (pending, then new) each new node sees
     lengths: torch.Tensor,  # [B] committed positions per row
-    width: int,  # where the fed nodes' K/V start: the widest row's length
+    width: int | torch.Tensor,  # where the fed nodes' K/V start: the widest row's length (0-d tensor ok)
     positions: torch.Tensor,  # [B, N] the new nodes' positions (past + depth)
     fed_positions: torch.Tensor,  # [B, K] the fed nodes' positions
     capacity: int,  # keys in the cache
@@ -28,14 +28,17 @@ def tree_attention_mask(
     """The `attention_mask` of a tree pass over a cache of `capacity` keys: [B, 1, N, capacity]
     additive (one per layer type for a model that mixes full and sliding-window layers). Row b's
     key j < lengths[b] is its committed position j; keys width .. width + K - 1 are the fed nodes;
-    every other key is padding."""
+    every other key is padding. Built from static shapes only (the fed nodes are gathered by key
+    offset), so that a compiled pass can build it inside its graph."""
     layout = layout or AttentionLayout()
-    index = torch.arange(capacity, device=visible.device)
-    fed_end = width + visible.shape[2]
-    allowed = (index < lengths[:, None])[:, None, :].repeat(1, visible.shape[1], 1)  # [B, N, capacity]
-    allowed[:, :, width:fed_end] = visible
+    b, n, k = visible.shape
+    index = torch.arange(capacity, device=visible.device)  # [capacity]
+    offset = index - width
+    fed = (offset >= 0) & (offset < k)  # [capacity]: the key is a fed node
+    slot = offset.clamp(0, k - 1)
+    seen = visible.gather(2, slot.expand(b, n, capacity)) & fed  # [B, N, capacity]
+    allowed = seen | (index < lengths[:, None])[:, None, :]
     keys = None
     if layout.window is not None:  # positions matter only to sliding windows
-        keys = index.repeat(len(lengths), 1)  # [B, capacity]
-        keys[:, width:fed_end] = fed_positions
+        keys = torch.where(fed, fed_positions.gather(1, slot.expand(b, capacity)), index)  # [B, capacity]
     return layout.mask(allowed, positions, keys, dtype)

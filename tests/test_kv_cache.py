@@ -19,7 +19,7 @@ from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, SSMDrafter, TopologyShape
-from specboost.speculator.kv_cache import CAPACITY_STEP, TreeCache, bucket
+from specboost.speculator.kv_cache import CAPACITY_STEP, TreeCache, bucket, tree_pass
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.tree import DraftKind, TokenTree, TreeBatch
 
@@ -91,9 +91,9 @@ def test_rows_after_tree_passes_equal_recomputed_texts(
 ) -> None:
     """Ragged rows: each step feeds a tree per row and commits the root and a random path. With
     `padded`, the cache pads rows and nodes to their buckets as it does for a compiled model (the
-    "compiled" call here is the model itself)."""
+    "compiled" pass here is the eager `tree_pass`)."""
     llm = llm_for(arch)
-    cache = TreeCache(llm, len(prompts), CAPACITY_STEP, compiled=llm.__call__ if padded else None)
+    cache = TreeCache(llm, len(prompts), CAPACITY_STEP, compiled=tree_pass if padded else None)
     assert cache.physical_rows == (bucket(len(prompts)) if padded else len(prompts))
     texts = [p[:-1] for p in prompts]  # the LLM caches every verified token but the root
     roots = [p[-1] for p in prompts]
