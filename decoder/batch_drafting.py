@@ -3,9 +3,10 @@
 Every sequence keeps its own SSM caches. Two ways to draft for a batch (a `SequenceGroup`):
 
 - `BatchedChainDrafting`: for the SpecInfer pool drafting chains (`PoolSpeculator` with
-  `ChainShape`), each SSM drafts every sequence's chain at once over a ragged cache
-  (`BatchedChainDrafter`): one SSM pass per chain position for the whole batch. The chains of
-  one sequence are merged into its tree exactly as `PoolSpeculator` merges them.
+  `ChainShape`), the pool drafts every sequence's chains at once over a ragged cache
+  (`BatchedChainDrafter`): one pass per chain position for the whole batch and, when the SSMs
+  are stacked into one model, for the whole pool. The chains of one sequence are merged into
+  its tree exactly as `PoolSpeculator` merges them.
 - `PerSequenceDrafting`: any other strategy (beam or topology trees, weighted majority, Sequoia,
   the learned scheduler): every sequence gets its own copy of the decoder's speculator, sharing
   the models, and drafts alone.
@@ -30,7 +31,13 @@ from specboost.decoder.verify import Rule
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.length_control import LengthController, make_length_controller
 from specboost.speculator.shapes import ChainShape
-from specboost.speculator.speculation import DraftRequest, PoolSpeculator, Speculator, StepFeedback
+from specboost.speculator.speculation import (
+    DraftRequest,
+    PoolSpeculator,
+    Speculator,
+    StepFeedback,
+    ssm_generator,
+)
 from specboost.speculator.tree import ChainDraft, TokenTree
 
 _NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType)
@@ -82,52 +89,68 @@ def batch_length_controller(
     return make_length_controller(kind, **(settings or {}))
 
 
-def ssm_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
-    """SSM `index`'s random stream for a sequence seeded `seed`, apart from the LLM's (as in
-    `PoolSpeculator.reset`)."""
-    return None if seed is None else torch.Generator(device).manual_seed(seed + 7919 * (index + 1))
-
-
 class BatchedChainDrafting:
-    """The pool's chains, drafted for every row at once by each SSM (see the module doc)."""
+    """The pool's chains, drafted for every row at once (see the module doc): one
+    `BatchedChainDrafter` per unit of the speculator's `PoolDrafter` (the stacked pool, or each SSM)."""
 
     def __init__(self, speculator: PoolSpeculator, calls: ModelCalls) -> None:
         self.shape = speculator.shape
-        self.drafters = [
-            BatchedChainDrafter(d.model, d.index, calls.get(d.model)) for d in speculator.drafters
+        pool = speculator.drafter
+        self.units = [
+            (
+                BatchedChainDrafter(unit.model, calls.get(unit.model), len(unit.rows)),
+                [pool.indices[row.member] for row in unit.rows],  # the SSM index of each member
+            )
+            for unit in pool.units
         ]
-        self.generators: list[list[torch.Generator | None]] = [[] for _ in self.drafters]
+        self.generators: list[list[torch.Generator | None]] = [[] for _ in self.units]  # per unit row
 
     def add(self, rows: list[SequenceState]) -> None:
-        for drafter, generators in zip(self.drafters, self.generators, strict=True):
-            drafter.add_rows(len(rows))
-            generators += [ssm_generator(row.seed, drafter.index, drafter.model.device) for row in rows]
+        for (drafter, indices), generators in zip(self.units, self.generators, strict=True):
+            old = drafter.sequences
+            drafter.add_sequences(len(rows))
+            device = drafter.model.device
+            fresh = [[ssm_generator(row.seed, index, device) for row in rows] for index in indices]
+            generators[:] = [
+                g for p, index in enumerate(indices) for g in generators[p * old : (p + 1) * old] + fresh[p]
+            ]
 
     def retain(self, rows: list[SequenceState], keep: list[int]) -> None:
-        for i, drafter in enumerate(self.drafters):
+        for i, (drafter, _) in enumerate(self.units):
+            total = drafter.sequences
+            self.generators[i] = [
+                self.generators[i][p * total + b] for p in range(drafter.members) for b in keep
+            ]
             drafter.select(keep)
-            self.generators[i] = [self.generators[i][r] for r in keep]
 
     def propose(
         self, rows: list[SequenceState], depths: list[int], length: int | None
     ) -> list[TokenTree] | ChainDraft:
         length = self.shape.length if length is None else length
         lengths = [min(length, depth) for depth in depths]
-        if len(self.drafters) == 1 and all(
-            row.rule is Rule.GREEDY and not row.probs.processors for row in rows
-        ):
+        verified = [row.tokens for row in rows]
+        greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
+        if greedy and len(self.units) == 1 and self.units[0][0].members == 1:
             # One SSM's greedy chains stay on the device until the verifier reads them back.
-            drafter = self.drafters[0]
-            tokens, lengths = drafter.draft_greedy([row.tokens for row in rows], lengths)
-            return ChainDraft([row.tokens[-1] for row in rows], tokens, lengths, drafter.index)
+            ((drafter, (index,)),) = self.units
+            tokens, lengths = drafter.draft_greedy(verified, lengths)
+            return ChainDraft([row.tokens[-1] for row in rows], tokens, lengths, index)
         trees = [
             TokenTree.root_only(row.tokens[-1], self.shape.kind(row.probs.config.do_sample)) for row in rows
         ]
-        verified, probs = [row.tokens for row in rows], [row.probs for row in rows]
-        for drafter, generators in zip(self.drafters, self.generators, strict=True):
-            chains = drafter.draft(verified, lengths, probs, generators)
-            for tree, chain in zip(trees, chains, strict=True):  # a trie insert = SpecInfer's merge
-                tree.add_sequence([t for t, _ in chain], drafter.index, [q for _, q in chain])
+        for (drafter, indices), generators in zip(self.units, self.generators, strict=True):
+            members = len(indices)
+            if greedy:  # argmax chains on the device, read back once
+                tokens, counts = drafter.draft_greedy(verified * members, lengths * members)
+                chains = [
+                    [(t, None) for t in row[:n]] for row, n in zip(tokens.tolist(), counts, strict=True)
+                ]
+            else:
+                probs = [row.probs for row in rows] * members
+                chains = drafter.draft(verified * members, lengths * members, probs, generators)
+            for r, chain in enumerate(chains):  # a trie insert = SpecInfer's merge
+                tree, index = trees[r % len(rows)], indices[r // len(rows)]
+                tree.add_sequence([t for t, _ in chain], index, [q for _, q in chain])
         return trees
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:

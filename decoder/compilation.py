@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -50,23 +49,25 @@ def check_can_compile(device: torch.device) -> None:
 
 
 class ModelCalls:
-    """The compiled call of each model of a decoder (None for a model that runs eagerly)."""
+    """The compiled tree pass of each model of a decoder, compiled when first asked for (None for
+    every model when compiling is off)."""
 
-    def __init__(self, models: Iterable[PreTrainedModel] = (), enabled: bool = False) -> None:
+    def __init__(self, device: torch.device, enabled: bool = False) -> None:
         self.enabled = enabled
+        self.device = device
         self._calls: dict[int, ModelCall] = {}
-        if not enabled:
-            return
-        models = list(models)
-        check_can_compile(models[0].device)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        for model in models:
+        if enabled:
+            check_can_compile(device)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+    def get(self, model: PreTrainedModel) -> ModelCall | None:
+        if not self.enabled:
+            return None
+        if id(model) not in self._calls:
             self._calls[id(model)] = torch.compile(
                 tree_pass, fullgraph=False, dynamic=False, **compile_options(model.device)
             )
-
-    def get(self, model: PreTrainedModel) -> ModelCall | None:
-        return self._calls.get(id(model))
+        return self._calls[id(model)]
 
 
 def compile_options(device: torch.device) -> dict[str, object]:

@@ -36,7 +36,7 @@ from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import DraftShape
-from specboost.speculator.speculation import Speculator, ssm_drafters
+from specboost.speculator.speculation import Speculator, pool_drafters
 
 
 @dataclass
@@ -139,9 +139,9 @@ class SpeculativeDecoder:
         if compile not in (True, False, "auto"):
             raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
         enabled = compile_by_default(self.llm.device) if compile == "auto" else compile
-        self.calls = ModelCalls([self.llm, *self.ssms], enabled)
-        for drafter in ssm_drafters(self.speculator):
-            drafter.compiled = self.calls.get(drafter.model)
+        self.calls = ModelCalls(self.llm.device, enabled)
+        for drafter in pool_drafters(self.speculator):
+            drafter.compiler = self.calls.get
 
     # Generation ----------------------------------------------------------------------------------
     def generate(

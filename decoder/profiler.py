@@ -4,7 +4,7 @@
 
 Everything is timed through the decoder's own code paths: L_verify(n) is the LLM's `TreeCache`
 pass over an n-node tree after `prefix_length` cached tokens, followed by the commit a real step
-does (the root kept); L_speculate(b, d) is `SSMDrafter.draft` of a beam tree after the same prefix
+does (the root kept); L_speculate(b, d) is `PoolDrafter.draft_one` of a beam tree after the same prefix
 (the steady-state cache catch-up of one token included). Each number is the median of `repeats`
 timed runs after one warm-up run; CUDA is synchronised around every run.
 """
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from specboost.decoder.validation import model_name
 from specboost.speculator.cost_model import CostModel, device_key
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.kv_cache import TreeCache, capacity_for
 from specboost.speculator.predictor import DEPTHS, WIDTHS
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
@@ -111,14 +111,14 @@ def profile(
         runs[f"verify {size}"] = functools.partial(verify, bushy_tree(size, vocab, max(config.depths), gen))
     probs = LogitsToProbs(SamplingConfig())
     for index, ssm in enumerate(ssms):
-        drafter = SSMDrafter(ssm, index)
-        drafter.draft(prefix, ChainShape(1), probs, 1)  # fill the cache: timed runs catch up one token
-        runs[f"ssm {index} step"] = functools.partial(drafter.draft, prefix, ChainShape(1), probs, 1)
+        drafter = PoolDrafter([ssm], [index])
+        drafter.draft_one(prefix, ChainShape(1), probs, 1)  # fill the cache: timed runs catch up one token
+        runs[f"ssm {index} step"] = functools.partial(drafter.draft_one, prefix, ChainShape(1), probs, 1)
         for width in config.widths:
             for depth in config.depths:
                 shape = BeamShape(width, depth)
                 runs[f"ssm {index} {width},{depth}"] = functools.partial(
-                    drafter.draft, prefix, shape, probs, depth
+                    drafter.draft_one, prefix, shape, probs, depth
                 )
     seconds = _interleaved_medians(runs, config.repeats, device, show_progress)
     verify_seconds = [seconds[f"verify {size}"] for size in sizes]

@@ -8,8 +8,9 @@
 - "majority": every SSM drafts a greedy chain of `shape`'s length; only the weighted-majority
   chain goes to the LLM, and the SSM weights learn from its verdicts (section 6). Initial weights
   come from the `SSMPool` (else equal).
-- "pruned": the merged tree of `shape` cut to `StrategyOptions.budget` drafted nodes, heaviest
-  by the same weights (section 6).
+- "pruned": the merged tree of `shape` cut to its best nodes, by the same weights and the SSMs'
+  own probabilities (section 6): `StrategyOptions.budget` of them, else as many as the hardware
+  profile (the `cost_model` argument or the pool's for this device) says pay at each step, else 8.
 - "sequoia": one SSM fills a DP-optimal tree every step (section 8). Its acceptance vector comes
   from `StrategyOptions.acceptance` or the pool's `sequoia_acceptance.json`; its size from
   `StrategyOptions.nodes`, else the hardware-aware choice with the cost model (the argument or
@@ -52,7 +53,7 @@ class StrategyOptions:
     """The less common settings of the strategies. A field left None takes the strategy's
     default; a field set for a strategy that does not use it is refused (`OPTION_USERS`)."""
 
-    budget: int | None = None  # "pruned": drafted nodes kept per step (default 8)
+    budget: int | None = None  # "pruned": drafted nodes kept per step (default: the profile's choice, else 8)
     nodes: int | None = None  # "sequoia": tree size, root included (default: hardware-aware choice)
     depth: int | None = None  # "sequoia": depth bound of the tree, or of the hardware-aware search
     # "sequoia": one vector (for SSM `ssm`, default 0) or one per SSM (default: the pool's file)
@@ -179,8 +180,10 @@ def _pruned(
 ) -> Speculator:
     o = inputs.options
     weights = pool.weights if pool is not None else None
-    budget = DEFAULT_BUDGET if o.budget is None else o.budget
-    return PrunedPoolSpeculator(ssms, inputs.shape, budget, _length_controller(inputs), o.majority, weights)
+    cost = _cost_model(llm, pool, inputs) if o.budget is None else None
+    budget = o.budget if o.budget is not None or cost is not None else DEFAULT_BUDGET
+    controller = _length_controller(inputs)
+    return PrunedPoolSpeculator(ssms, inputs.shape, budget, controller, o.majority, weights, cost)
 
 
 def _sequoia(

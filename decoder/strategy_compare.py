@@ -126,7 +126,7 @@ class MethodSet:
 def build_methods(config: CompareConfig, methods: MethodSet) -> Groups:
     everyone = list(range(len(methods.pool)))
     auto = methods.decoder(everyone, strategy="sequoia", strategy_options=StrategyOptions(ssm=config.ssm))
-    s, tree = auto.speculator.drafter.index, auto.speculator.tree
+    s, tree = auto.speculator.index, auto.speculator.tree
     groups = Groups(s)
     # (a) Sequoia trees vs k chains vs one chain, one SSM, equal sizes.
     groups.trees["sequoia"] = {

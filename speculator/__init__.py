@@ -3,7 +3,7 @@
 Sections cited as "ALGORITHMS.md section N" are those of docs/ALGORITHMS.md in the repository.
 """
 
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 from specboost.speculator.speculation import PoolSpeculator, Speculator
 from specboost.speculator.tree import DraftKind, Proposal, TokenTree, merge_trees
@@ -13,9 +13,9 @@ __all__ = [
     "ChainShape",
     "DraftKind",
     "DraftShape",
+    "PoolDrafter",
     "PoolSpeculator",
     "Proposal",
-    "SSMDrafter",
     "Speculator",
     "TokenTree",
     "TopologyShape",

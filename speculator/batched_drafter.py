@@ -1,10 +1,13 @@
 """One SSM drafting chains for a whole batch at once (ALGORITHMS.md sections 3 and 11).
 
-`SSMDrafter` drafts for one sequence; in a batch that costs one SSM call per sequence and chain
+`PoolDrafter` drafts for one sequence; in a batch that costs one SSM call per sequence and chain
 position. `BatchedChainDrafter` keeps one `TreeCache` over the rows of a batch (BASS-PAD, as the
 LLM does) and drafts every row's chain with one SSM pass per chain position: first a pass that
 catches each row up on the tokens verified since its last draft (it keeps the K/V of the drafted
-tokens the LLM accepted), then one [B, 1] pass per further token.
+tokens the LLM accepted), then one [B, 1] pass per further token. Its model may be a stacked pool
+(`speculator/stacked_pool.py`) of `members` SSMs: then every sequence has one row per SSM, laid
+out member-major (row p * S + b: SSM p drafting for sequence b), and the whole pool drafts every
+sequence's chains in those same passes.
 """
 
 from __future__ import annotations
@@ -21,27 +24,49 @@ CAPACITY = 256  # the cache's first capacity; it grows when a row needs more
 
 
 class BatchedChainDrafter:
-    """SSM number `index` of a pool, drafting a chain per row of a batch of sequences; `compiled`
-    is the model's compiled call for its drafting passes (None: eager)."""
+    """`members` SSMs (one model, or a stacked pool of them) drafting a chain per sequence of a
+    batch; `compiled` is the model's compiled tree pass (None: eager). Its methods take and return
+    one entry per row: `members` blocks of the batch's sequences, member-major."""
 
-    def __init__(self, model: PreTrainedModel, index: int, compiled: ModelCall | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, compiled: ModelCall | None = None, members: int = 1) -> None:
         self.model = model
-        self.index = index
+        self.members = members
         self.max_positions = context_length(model)
         self.cache = TreeCache(model, 0, CAPACITY, compiled)
         self.seen: list[list[int]] = []  # per row: the tokens whose K/V the cache holds, in order
         # Tokens fed by `draft_greedy` and not read back yet: [B, L] on the device, count per row.
         self._unread: tuple[torch.Tensor, list[int]] | None = None
 
-    def add_rows(self, count: int) -> None:
-        """New rows at the end of the batch (with empty caches)."""
-        self._read_back()
-        self.cache.extend(TreeCache(self.model, count, CAPACITY, self.cache.compiled))
-        self.seen += [[] for _ in range(count)]
+    @property
+    def sequences(self) -> int:
+        return len(self.seen) // self.members
 
-    def select(self, rows: list[int]) -> None:
-        """Keep only the rows `rows`, in that order."""
+    def add_sequences(self, count: int) -> None:
+        """New sequences at the end of the batch (with empty caches)."""
         self._read_back()
+        old, new = self.sequences, count
+        self.cache.extend(TreeCache(self.model, new * self.members, CAPACITY, self.cache.compiled))
+        self.seen += [[] for _ in range(new * self.members)]
+        if self.members > 1:  # appended member-major after the old rows: interleave the blocks
+            first_new = old * self.members
+            self._select_rows(
+                [
+                    row
+                    for p in range(self.members)
+                    for row in [
+                        *range(p * old, (p + 1) * old),
+                        *range(first_new + p * new, first_new + (p + 1) * new),
+                    ]
+                ]
+            )
+
+    def select(self, sequences: list[int]) -> None:
+        """Keep only the sequences `sequences`, in that order."""
+        self._read_back()
+        total = self.sequences
+        self._select_rows([p * total + b for p in range(self.members) for b in sequences])
+
+    def _select_rows(self, rows: list[int]) -> None:
         self.cache.select(rows)
         self.seen = [self.seen[r] for r in rows]
 

@@ -3,7 +3,7 @@
 The match length of a beam tree under the greedy rule is the longest prefix of any of its beams
 that equals the LLM's greedy continuation. `beam_match_lengths` computes it for many contexts at
 once (the predictor's labels; the oracle scheduler), with exactly the drafter's search
-(`SSMDrafter._draft_beam`: the top-`width` of beam score + log-softmax over beams x vocabulary).
+(`draft_plans.BeamPlan`: the top-`width` of beam score + log-softmax over beams x vocabulary).
 The beams alive after d steps are those of a depth-d search, so one search yields every depth.
 """
 

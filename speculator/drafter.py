@@ -1,45 +1,87 @@
-"""One SSM that drafts token trees over the verified prefix (ALGORITHMS.md section 3).
+"""The SSMs of a pool drafting token trees over one verified prefix, one forward pass per tree
+level for the whole pool (ALGORITHMS.md section 3).
 
-The drafter owns the SSM's KV cache (a one-row `TreeCache`) and keeps it synced to the verified
-prefix: after a verification it commits the K/V of the accepted tokens it drafted itself (they
-are pending nodes of its cache, as in the LLM's) and feeds only the tokens it has not seen (at
-least the LLM's correction or bonus token). Trees are expanded level by level, each level in one
-SSM pass with tree attention.
+SSMs that share an architecture run as one stacked model (`speculator/stacked_pool.py`), each on
+its own row of one KV cache (a `TreeCache`); a pool that cannot be stacked drafts with one cache
+per SSM, one pass per SSM and level. Every row keeps its cache synced to the verified prefix:
+after a verification it commits the K/V of the drafted tokens the LLM accepted (they are pending
+nodes of its cache, as in the LLM's) and feeds only the tokens it has not seen (at least the
+LLM's correction or bonus token). Then every SSM's tree grows level by level as its plan says
+(`speculator/draft_plans.py`), all SSMs' frontier nodes fed in one pass with tree attention.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
 import torch
 from transformers import PreTrainedModel
 
+from specboost.speculator.draft_plans import DraftPlan, make_plan
 from specboost.speculator.kv_cache import ModelCall, TreeCache, capacity_for
 from specboost.speculator.model_info import context_length
 from specboost.speculator.sampling import LogitsToProbs
-from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
-from specboost.speculator.tree import TokenTree, TreeBatch
+from specboost.speculator.shapes import DraftShape
+from specboost.speculator.stacked_pool import stack_pool, why_not_stackable
+from specboost.speculator.tree import TokenTree
+
+logger = logging.getLogger(__name__)
 
 HEADROOM = 256  # positions a new cache holds beyond the text it starts with
+Compiler = Callable[[PreTrainedModel], ModelCall | None]  # a model's compiled tree pass (None: eager)
 
 
-class SSMDrafter:
-    """Drafts with SSM number `index` of a pool; `index` is what tree nodes record as proposer.
-    `compiled` is the model's compiled call for its drafting passes (None: eager)."""
+@dataclass
+class _Row:
+    """One SSM's row of a cache: what it holds and what it drafted last."""
 
-    def __init__(self, model: PreTrainedModel, index: int, compiled: ModelCall | None = None) -> None:
-        self.model = model
-        self.index = index
-        self.compiled = compiled
-        self.max_positions = context_length(model)
-        self.reset()
+    member: int  # position of the SSM in the pool
+    cached: list[int] = field(default_factory=list)  # verified tokens committed to the cache, in order
+    expansion: TokenTree = field(default_factory=lambda: TokenTree.root_only(-1))  # last step's nodes
+    slots: dict[int, int] = field(default_factory=dict)  # expansion node -> its pending index
+
+
+@dataclass
+class _Unit:
+    """SSMs drafting in one pass: a stacked model (one row per SSM) or one SSM alone."""
+
+    model: PreTrainedModel
+    rows: list[_Row]
+    cache: TreeCache | None = None
+
+
+class PoolDrafter:
+    """Drafts with the SSMs `models`; `indices` are what tree nodes record as proposers (default
+    0..n-1). `stack=False` keeps one pass per SSM even when they could be stacked."""
+
+    def __init__(
+        self, models: Sequence[PreTrainedModel], indices: Sequence[int] | None = None, stack: bool = True
+    ) -> None:
+        self.models = list(models)
+        self.indices = list(range(len(models)) if indices is None else indices)
+        self.compiler: Compiler | None = None  # set by the decoder: compiled passes per model
+        self.stacked = stack and why_not_stackable(self.models) is None
+        if self.stacked:
+            try:
+                self.units = [_Unit(stack_pool(self.models), [_Row(m) for m in range(len(models))])]
+            except ValueError as error:  # a layer the stacked model does not reproduce
+                self.stacked = False
+                logger.warning("SSMs draft one after another: %s", error)
+        elif stack and len(models) > 1:
+            logger.warning("SSMs draft one after another: %s", why_not_stackable(self.models))
+        if not self.stacked:
+            self.units = [_Unit(model, [_Row(m)]) for m, model in enumerate(self.models)]
+        self.max_positions = context_length(self.models[0])
 
     def reset(self) -> None:
-        self.cache: TreeCache | None = None
-        self.cached_tokens: list[int] = []  # verified tokens committed to the cache, in order
-        self._expansion = TokenTree.root_only(-1)  # every node drafted last step (root = last verified)
-        self._slots: dict[int, int] = {}  # expansion node -> its pending index in the cache
+        """Forget every cache (a new sequence)."""
+        for unit in self.units:
+            unit.cache = None
+            unit.rows = [_Row(row.member) for row in unit.rows]
 
-    @torch.no_grad()
-    def draft(
+    def draft_one(
         self,
         verified: list[int],
         shape: DraftShape,
@@ -47,149 +89,159 @@ class SSMDrafter:
         max_depth: int,
         generator: torch.Generator | None = None,
     ) -> TokenTree:
-        """Draft a tree of `shape` (no deeper than `max_depth`) after `verified` (prompt + accepted).
+        """The tree of a pool of one SSM (`draft` with one shape)."""
+        assert len(self.models) == 1, "draft_one is for a pool of one SSM"
+        return self.draft(verified, [shape], probs, max_depth, [generator])[0]
 
-        Past the end of the SSM's own context it drafts nothing (a root-only tree)."""
+    @torch.no_grad()
+    def draft(
+        self,
+        verified: list[int],
+        shapes: Sequence[DraftShape | None],
+        probs: LogitsToProbs,
+        max_depth: int,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> list[TokenTree | None]:
+        """Per SSM, a tree of `shapes[i]` (None: the SSM sits this step out) after `verified`
+        (prompt + accepted), no deeper than `max_depth`; past the SSMs' context, root-only trees."""
+        generators = generators or [None] * len(self.models)
         if self.max_positions is not None:
             max_depth = min(max_depth, self.max_positions - len(verified))
-        if max_depth < 1:
-            return TokenTree.root_only(verified[-1], shape.kind(probs.config.do_sample))
-        root_logits = self._sync(verified)
-        self._expansion = TokenTree.root_only(verified[-1], shape.kind(probs.config.do_sample))
-        if isinstance(shape, ChainShape):
-            return self._draft_chain(root_logits, min(shape.length, max_depth), probs, generator)
-        if isinstance(shape, BeamShape):
-            return self._draft_beam(root_logits, shape.width, min(shape.depth, max_depth), probs)
-        if isinstance(shape, TopologyShape):
-            return self._draft_topology(root_logits, shape, max_depth, probs, generator)
-        raise TypeError(f"unknown draft shape {shape!r}")
+        trees: list[TokenTree | None] = [None] * len(self.models)
+        for unit in self.units:
+            if all(shapes[row.member] is None for row in unit.rows):
+                continue
+            if max_depth < 1:
+                for row in unit.rows:
+                    shape = shapes[row.member]
+                    if shape is not None:
+                        trees[row.member] = TokenTree.root_only(
+                            verified[-1], shape.kind(probs.config.do_sample)
+                        )
+                continue
+            plans = self._grow(unit, verified, shapes, probs, max_depth, generators)
+            for member, plan in plans.items():
+                trees[member] = plan.result()
+        return trees
 
-    # 1. Cache sync -------------------------------------------------------------------------
-    def _sync(self, verified: list[int]) -> torch.Tensor:
-        """Bring the cache to exactly `verified`; return the SSM's logits after it ([V])."""
-        if self.cache is None:
-            self.cache = TreeCache(self.model, 1, capacity_for(len(verified) + HEADROOM), self.compiled)
-        n, kept = len(self.cached_tokens), []
-        if verified[:n] == self.cached_tokens:
-            common, node = n, 0
-            for token in verified[n:]:
-                child = self._expansion.child_with_token(node, token)
-                if child is None or child not in self._slots:
-                    break
-                kept.append(self._slots[child])
-                node = child
-        else:
-            common = 0
-            while common < min(n, len(verified)) and verified[common] == self.cached_tokens[common]:
-                common += 1
-        self.cache.commit([kept if common == n else []])
-        if common < n:
-            self.cache.truncate(0, common)
-        seen = self.cache.lengths[0]
-        if seen == len(verified):  # the SSM has seen everything: recompute the last position
-            self.cache.truncate(0, seen - 1)
-            seen -= 1
-        self.cached_tokens = list(verified)
-        self._slots = {}
-        return self.cache.feed_chains([verified[seen:]]).logits[0]
-
-    # 2. Drafting modes ----------------------------------------------------------------------
-    def _expand(self, nodes: range) -> torch.Tensor:
-        """Feed expansion nodes `nodes` (one level, after every earlier node) in one pass; returns
-        their logits [len, V]."""
-        tree, cache = self._expansion, self.cache
-        device = cache.device
-        new = list(nodes)
-        root_position = len(self.cached_tokens) - 1
-        ancestors = TreeBatch.pack([tree], device=device).ancestors[0]  # [T, T]
-        visible = torch.zeros(1, len(new), cache.pending + len(new), dtype=torch.bool, device=device)
-        fed = sorted(self._slots)
-        if fed:
-            columns = torch.tensor([self._slots[v] for v in fed], device=device)
-            visible[0][:, columns] = ancestors[new][:, fed]
-        visible[0, :, cache.pending :] = ancestors[new][:, new]
-        tokens = torch.tensor([[tree.tokens[u] for u in new]], device=device)
-        positions = torch.tensor([[root_position + tree.depths[u] for u in new]], device=device)
-        start = cache.pending
-        logits = cache.feed(tokens, positions, visible).logits[0]
-        self._slots.update({u: start + i for i, u in enumerate(new)})
-        return logits
-
-    def _draft_chain(
-        self, logits: torch.Tensor, length: int, probs: LogitsToProbs, generator: torch.Generator | None
-    ) -> TokenTree:
-        tree, node = self._expansion, 0
-        for step in range(length):
-            if step > 0:
-                logits = self._expand(range(node, node + 1))[0]
-            scores = probs.tree_scores(logits[None], tree, self.cached_tokens, [node])[0]
-            if probs.config.do_sample:
-                q = torch.softmax(scores, dim=-1)
-                token = int(torch.multinomial(q, 1, generator=generator))
-            else:
-                q, token = None, int(scores.argmax())
-            node = tree.add_child(node, token, self.index, q)
-        return tree
-
-    def _draft_beam(self, logits: torch.Tensor, width: int, depth: int, probs: LogitsToProbs) -> TokenTree:
-        """SpecInfer beam search on the greedy-processed scores; returns the merge of the final
-        beams (kind BEAM)."""
-        tree, greedy = self._expansion, probs.greedy()
-        beams = [0]
-        scores = torch.zeros(1, dtype=torch.float64, device=logits.device)
-        level_logits = logits[None]  # [beams, V]
-        for level in range(depth):
-            if level > 0:
-                level_logits = self._expand(range(beams[0], beams[-1] + 1))
-            level_scores = greedy.tree_scores(level_logits, tree, self.cached_tokens, beams)
-            logp = torch.log_softmax(level_scores.double(), dim=-1) + scores[:, None]  # [beams, V]
-            top = torch.topk(logp.flatten(), min(width, logp.numel()))
-            vocab = logp.shape[1]
-            new_beams = []
-            for flat in top.indices.tolist():
-                new_beams.append(tree.insert(beams[flat // vocab], flat % vocab))
-            beams, scores = new_beams, top.values
-        result = TokenTree.root_only(tree.tokens[0], tree.kind)
-        for leaf in beams:
-            result.add_sequence([tree.tokens[v] for v in tree.path_to(leaf)], self.index)
-        return result
-
-    def _draft_topology(
+    def _grow(
         self,
-        logits: torch.Tensor,
-        shape: TopologyShape,
-        max_depth: int,
+        unit: _Unit,
+        verified: list[int],
+        shapes: Sequence[DraftShape | None],
         probs: LogitsToProbs,
-        generator: torch.Generator | None,
-    ) -> TokenTree:
-        """Fill a fixed topology: top-k children, or children sampled without replacement from q."""
-        tree, shape_children = self._expansion, shape.children()
-        frontier = [(0, 0)]  # (topology node, tree node)
-        level_logits = logits[None]
-        while frontier and tree.depths[frontier[0][1]] < max_depth:
-            if frontier[0][1] > 0:
-                level_logits = self._expand(range(frontier[0][1], frontier[-1][1] + 1))
-            nodes = [node for _, node in frontier]
-            level_scores = probs.tree_scores(level_logits, tree, self.cached_tokens, nodes)
-            next_frontier = []
-            for (shape_node, node), scores in zip(frontier, level_scores, strict=True):
-                wanted = shape_children[shape_node]
-                if not wanted:
-                    continue
-                tokens, q = self.sample_children(scores, len(wanted), probs.config.do_sample, generator)
-                for shape_child, token in zip(wanted, tokens, strict=False):
-                    next_frontier.append((shape_child, tree.add_child(node, token, self.index, q)))
-            frontier = next_frontier
-        return tree
+        max_depth: int,
+        generators: Sequence[torch.Generator | None],
+    ) -> dict[int, DraftPlan]:
+        """Sync the unit's rows, then grow every plan level by level, one pass per level."""
+        logits = self._sync(unit, verified)  # [rows, V] after each row's last verified token
+        plans: dict[int, DraftPlan] = {}
+        for r, row in enumerate(unit.rows):
+            shape = shapes[row.member]
+            if shape is not None:
+                index = self.indices[row.member]
+                plans[r] = make_plan(shape, verified[-1], index, probs, max_depth, generators[row.member])
+                row.expansion = plans[r].tree
+        level = {r: logits[r : r + 1] for r in plans}
+        while True:
+            for r, plan in plans.items():
+                if plan.frontier:
+                    plan.grow(plan.probs.tree_scores(level[r], plan.tree, verified, plan.frontier))
+            feeding = {r: plan.frontier for r, plan in plans.items() if plan.frontier}
+            if not feeding:
+                return {unit.rows[r].member: plan for r, plan in plans.items()}
+            level = self._expand(unit, verified, feeding)
 
-    @staticmethod
-    def sample_children(
-        scores: torch.Tensor, k: int, do_sample: bool, generator: torch.Generator | None
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """k children from processed scores [V]: the top k (greedy), or k drawn without replacement
-        from q = softmax(scores), returned with q."""
-        if not do_sample:
-            return torch.topk(scores, min(k, scores.numel())).indices.tolist(), None
-        q = torch.softmax(scores, dim=-1)
-        k = min(k, int((q > 0).sum()))
-        return torch.multinomial(q, k, replacement=False, generator=generator).tolist(), q
+    # Cache sync ----------------------------------------------------------------------------------------
+    def _sync(self, unit: _Unit, verified: list[int]) -> torch.Tensor:
+        """Bring every row's cache to exactly `verified`; the logits [rows, V] after it."""
+        if unit.cache is None:
+            compiled = self.compiler(unit.model) if self.compiler is not None else None
+            capacity = capacity_for(len(verified) + HEADROOM)
+            unit.cache = TreeCache(unit.model, len(unit.rows), capacity, compiled)
+        keep, feeds = [], []
+        for row in unit.rows:
+            kept, common = _kept_nodes(row, verified)
+            keep.append(kept if common == len(row.cached) else [])
+            feeds.append(common)
+        unit.cache.commit(keep)
+        chains = []
+        for r, (row, common) in enumerate(zip(unit.rows, feeds, strict=True)):
+            if common < len(row.cached):
+                unit.cache.truncate(r, common)
+            seen = unit.cache.lengths[r]
+            if seen == len(verified):  # the row has seen everything: recompute the last position
+                unit.cache.truncate(r, seen - 1)
+                seen -= 1
+            row.cached, row.slots = list(verified), {}
+            chains.append(verified[seen:])
+        return unit.cache.feed_chains(chains).logits
+
+    # Tree levels ----------------------------------------------------------------------------------------
+    def _expand(
+        self, unit: _Unit, verified: list[int], feeding: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Feed each row's frontier nodes (one level, after every node it fed this step) in ONE pass;
+        rows with fewer nodes are padded (a padding node sees only itself). Returns each feeding
+        row's logits [nodes, V]."""
+        cache = unit.cache
+        width, pending = max(map(len, feeding.values())), cache.pending
+        root = len(verified) - 1
+        tokens, positions, visible = [], [], []
+        for r, row in enumerate(unit.rows):
+            nodes = feeding.get(r, [])
+            tree = row.expansion
+            fed = {u: slot for u, slot in row.slots.items()}
+            tokens.append([tree.tokens[u] for u in nodes] + [0] * (width - len(nodes)))
+            positions.append([root + tree.depths[u] for u in nodes] + [root] * (width - len(nodes)))
+            grid = []
+            for i in range(width):
+                seen = [False] * (pending + width)
+                if i < len(nodes):
+                    ancestors = _ancestors(tree, nodes[i])
+                    for u in ancestors:
+                        if u in fed:
+                            seen[fed[u]] = True
+                    for j, v in enumerate(nodes):
+                        seen[pending + j] = v in ancestors
+                else:
+                    seen[pending + i] = True
+                grid.append(seen)
+            visible.append(grid)
+        device = cache.device
+        out = cache.feed(
+            torch.tensor(tokens, device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(visible, device=device),
+        )
+        for r, nodes in feeding.items():
+            unit.rows[r].slots.update({u: pending + i for i, u in enumerate(nodes)})
+        return {r: out.logits[r, : len(nodes)] for r, nodes in feeding.items()}
+
+
+def _kept_nodes(row: _Row, verified: list[int]) -> tuple[list[int], int]:
+    """The pending slots of the drafted nodes that `verified` accepted after the row's cached text,
+    and the length of the common prefix of the two texts."""
+    n = len(row.cached)
+    if verified[:n] != row.cached:
+        common = 0
+        while common < min(n, len(verified)) and verified[common] == row.cached[common]:
+            common += 1
+        return [], common
+    kept, node = [], 0
+    for token in verified[n:]:
+        child = row.expansion.child_with_token(node, token)
+        if child is None or child not in row.slots:
+            break
+        kept.append(row.slots[child])
+        node = child
+    return kept, n
+
+
+def _ancestors(tree: TokenTree, node: int) -> set[int]:
+    """`node` and every node above it, root included."""
+    out = {node}
+    while tree.parents[node] >= 0:
+        node = tree.parents[node]
+        out.add(node)
+    return out

@@ -6,8 +6,9 @@ weight of a node is the sum of w_i over the SSMs whose sequence passes through i
 - `MajoritySpeculator` ("majority"): from the root, step to the heaviest child until a leaf;
   that path is one SSM's chain (the voted SSM's) and the only thing the LLM verifies, so a step
   costs the LLM no more than single-SSM speculation.
-- `PrunedPoolSpeculator` ("pruned"): the merged tree of any draft shape cut to a node
-  budget, keeping the heaviest nodes.
+- `PrunedPoolSpeculator` ("pruned"): the merged tree of any draft shape cut to its best nodes
+  (by weight and the SSMs' own probabilities), as many as a fixed budget or the hardware
+  profile says pay.
 
 After every `update_every` verification steps, the acceptance rate ACR_i = accepted / proposed of
 the tokens each SSM was credited with moves its weight: ACR_i > reward_threshold multiplies w_i by
@@ -20,14 +21,16 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
 
+from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.shapes import ChainShape, DraftShape
 from specboost.speculator.speculation import DraftRequest, PoolSpeculator, StepFeedback
@@ -99,26 +102,60 @@ def induced_subtree(tree: TokenTree, nodes: Iterable[int]) -> TokenTree:
     return out
 
 
-def prune_by_weight(tree: TokenTree, weights: Sequence[float], budget: int) -> TokenTree:
-    """Keep at most `budget` drafted nodes, heaviest first, never a node without its parent.
+def node_scores(tree: TokenTree, weights: Sequence[float]) -> list[float]:
+    """Per node, how likely the LLM is to accept the path root -> u, as the pool sees it (root: 1):
+    the product along the path of c_v = (sum over the SSMs proposing v of w_i p_i(v)) / (sum of
+    w_i over the SSMs whose sequences pass through v's parent), p_i(v) being SSM i's own
+    probability of v's token (1 where not recorded). With equal probabilities this orders nodes by
+    weight (ALGORITHMS.md section 6); with one SSM it is the SSM's own path probability. Scores
+    never grow downwards."""
+    score = [1.0] * len(tree)
+    for u in range(1, len(tree)):
+        parent = tree.parents[u]
+        through = sum(weights[i] for i in tree.ssms[parent])
+        own: dict[int, float] = {}  # an SSM's beams may reach a node more than once
+        for proposal in tree.proposals[u]:
+            own[proposal.ssm] = max(own.get(proposal.ssm, 0.0), 1.0 if proposal.p is None else proposal.p)
+        mass = sum(weights[i] * p for i, p in own.items())
+        score[u] = score[parent] * (mass / through if through else 0.0)
+    return score
 
-    Best-first from the root (ties: shallower, then lower index). In a merged tree a child's
-    SSMs are a subset of its parent's, so weights never grow downwards and this keeps exactly the
-    `budget` heaviest nodes."""
-    weight = node_weights(tree, weights)
+
+def best_first(tree: TokenTree, score: Sequence[float]) -> list[int]:
+    """The drafted nodes by decreasing score, never a node before its parent (ties: shallower, then
+    lower index): since scores never grow downwards, its first n are the n best nodes."""
 
     def key(u: int) -> tuple[float, int, int]:
-        return -weight[u], tree.depths[u], u
+        return -score[u], tree.depths[u], u
 
     frontier = [key(child) for child in tree.children[0]]
     heapq.heapify(frontier)
-    kept: list[int] = []
-    while frontier and len(kept) < budget:
+    order: list[int] = []
+    while frontier:
         u = heapq.heappop(frontier)[-1]
-        kept.append(u)
+        order.append(u)
         for child in tree.children[u]:
             heapq.heappush(frontier, key(child))
-    return induced_subtree(tree, kept)
+    return order
+
+
+def prune(tree: TokenTree, weights: Sequence[float], budget: int) -> TokenTree:
+    """Keep the `budget` drafted nodes of highest score (`node_scores`), with their parents."""
+    return induced_subtree(tree, best_first(tree, node_scores(tree, weights))[:budget])
+
+
+def paying_budget(tree: TokenTree, weights: Sequence[float], step_seconds: Callable[[int], float]) -> int:
+    """The number n of best nodes to verify that maximises expected new tokens per second: (1 +
+    the sum of their scores) / step_seconds(n), step_seconds(n) being a step's time when n drafted
+    nodes are verified (the hardware profile's L_verify(n + 1) plus the drafting)."""
+    score = node_scores(tree, weights)
+    expected, best, best_rate = 1.0, 0, 1.0 / step_seconds(0)
+    for n, u in enumerate(best_first(tree, score), start=1):
+        expected += score[u]
+        rate = expected / step_seconds(n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 # The weights and their update ------------------------------------------------------------------------
@@ -252,10 +289,13 @@ class MajoritySpeculator(WeightedPoolSpeculator):
 
 
 class PrunedPoolSpeculator(WeightedPoolSpeculator):
-    """The pool's merged tree (any `shape`) cut to `budget` drafted nodes by weight, heaviest
-    first (ALGORITHMS.md section 6, last line); `config` and `weights` as for MajoritySpeculator.
-    Each SSM is credited with the kept nodes it proposed, so ACR_i is its acceptance rate within
-    the verified trees.
+    """The pool's merged tree (any `shape`) cut to its best drafted nodes: those the pool is most
+    confident in, by the SSMs' own probabilities and weights (`node_scores`; ALGORITHMS.md section
+    6, last line). `budget` fixes how many; without one, every step keeps the number that the
+    hardware profile `cost_model` says pays best (`paying_budget`: expected tokens per second of
+    the step, L_verify from the profile, the drafting as measured). `config` and `weights` as for
+    MajoritySpeculator. Each SSM is credited with the kept nodes it proposed, so ACR_i is its
+    acceptance rate within the verified trees.
 
     Pruning looks at which SSMs agree, so a pool's pruned sampled chains are no longer children
     sampled independently from their q: multi-step speculative sampling is not lossless on them,
@@ -270,23 +310,40 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
         self,
         ssms: list[PreTrainedModel],
         shape: DraftShape | None = None,
-        budget: int = 8,
+        budget: int | None = 8,
         length_controller: LengthController | None = None,
         config: MajorityConfig | None = None,
         weights: Sequence[float] | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
-        if budget < 1:
+        if budget is None and cost_model is None:
+            raise ValueError("give the pruned tree's budget (drafted nodes) or a cost model to choose it")
+        if budget is not None and budget < 1:
             raise ValueError(f"budget must be >= 1 drafted node, got {budget}")
         super().__init__(ssms, shape, length_controller, config, weights)
         self.budget = budget
+        self.cost_model = cost_model
+        self.kept: list[int] = []  # drafted nodes kept per step of the last generate
 
     def tree_kind(self, do_sample: bool) -> DraftKind:
         kind = super().tree_kind(do_sample)
         return DraftKind.SELECTED if kind is DraftKind.SAMPLED and self.num_ssms > 1 else kind
 
+    def reset(self, seed: int | None) -> None:
+        super().reset(seed)
+        self.kept = []
+
     def propose(self, request: DraftRequest) -> TokenTree:
-        tree = prune_by_weight(super().propose(request), self.weights, self.budget)
+        start = time.perf_counter()
+        merged = super().propose(request)
+        budget = self.budget
+        if budget is None:
+            draft_seconds = time.perf_counter() - start
+            verify = self.cost_model.verify_time
+            budget = paying_budget(merged, self.weights, lambda n: verify(n + 1) + draft_seconds)
+        tree = prune(merged, self.weights, budget)
         tree.kind = self.tree_kind(request.probs.config.do_sample)
+        self.kept.append(tree.num_draft_tokens)
         return tree
 
     def observe(self, feedback: StepFeedback) -> None:
@@ -295,7 +352,8 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
         self.voting.record(count_per_ssm(tree, range(1, len(tree))), count_per_ssm(tree, feedback.accepted))
 
     def report(self) -> dict:
-        return {**super().report(), "strategy": "pruned", "budget": self.budget}
+        budget = "profile" if self.budget is None else self.budget
+        return {**super().report(), "strategy": "pruned", "budget": budget, "kept": list(self.kept)}
 
 
 # Plot -------------------------------------------------------------------------------------------------

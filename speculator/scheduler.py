@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
@@ -56,7 +56,7 @@ class LearnedScheduler:
                 f"the predictor covers {c.num_ssms} SSMs and the cost model {cost_model.num_ssms}, "
                 f"but the pool has {len(ssms)}: train and profile for this pool"
             )
-        self.drafters = [SSMDrafter(model, i) for i, model in enumerate(ssms)]
+        self.drafter = PoolDrafter(ssms)
         self.num_ssms = len(ssms)
         self.predictor = predictor.to(ssms[0].device)
         self._predict = self.predictor.compiled()
@@ -103,8 +103,7 @@ class LearnedScheduler:
         return DraftKind.BEAM
 
     def reset(self, seed: int | None) -> None:
-        for drafter in self.drafters:
-            drafter.reset()
+        self.drafter.reset()
         self.history: list[list[tuple[int, int] | None]] = []
         self.scales: list[float] = []
         self._predicted: float | None = None  # predicted match of the last launched choice
@@ -154,10 +153,11 @@ class LearnedScheduler:
         chosen = self.choose(request)
         self.decision_seconds += time.perf_counter() - now
         self.history.append(chosen)
+        shapes = [None if option is SITS_OUT else BeamShape(*option) for option in chosen]
         trees = [
-            drafter.draft(request.verified, BeamShape(*option), request.probs, request.max_depth)
-            for drafter, option in zip(self.drafters, chosen, strict=True)
-            if option is not SITS_OUT
+            tree
+            for tree in self.drafter.draft(request.verified, shapes, request.probs, request.max_depth)
+            if tree
         ]
         if not trees:
             return TokenTree.root_only(request.verified[-1], DraftKind.BEAM)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.sequoia_acceptance import AcceptanceVector
 from specboost.speculator.sequoia_dp import optimal_tree
 from specboost.speculator.sequoia_hardware import CostModelLike, TreeChoice, choose_tree_size, relative_costs
-from specboost.speculator.speculation import DraftRequest, StepFeedback
+from specboost.speculator.speculation import DraftRequest, StepFeedback, ssm_generator
 from specboost.speculator.tree import DraftKind, TokenTree
 
 
@@ -45,7 +45,8 @@ class SequoiaSpeculator:
             self.choice = choose_tree_size(acceptance.marginal, t, c, max_nodes, max_depth)
             nodes, depth = self.choice.nodes, self.choice.depth
         self.tree = optimal_tree(acceptance.marginal, nodes, depth)
-        self.drafter = SSMDrafter(ssm, index)
+        self.index = index  # the SSM's index in the pool, which tree nodes record
+        self.drafter = PoolDrafter([ssm], [index])
         self.num_ssms = 1  # one q per node: sampling without replacement stays lossless
         self.wants_hidden = False
         self._generator: torch.Generator | None = None
@@ -61,13 +62,10 @@ class SequoiaSpeculator:
 
     def reset(self, seed: int | None) -> None:
         self.drafter.reset()
-        device = self.drafter.model.device
-        # A stream apart from the LLM's (seeded with `seed` by the decoder), as PoolSpeculator does.
-        offset = 7919 * (self.drafter.index + 1)
-        self._generator = None if seed is None else torch.Generator(device).manual_seed(seed + offset)
+        self._generator = ssm_generator(seed, self.index, self.drafter.models[0].device)
 
     def propose(self, request: DraftRequest) -> TokenTree:
-        return self.drafter.draft(
+        return self.drafter.draft_one(
             request.verified, self.tree.shape, request.probs, request.max_depth, self._generator
         )
 
@@ -77,7 +75,7 @@ class SequoiaSpeculator:
     def report(self) -> dict:
         out = {
             "strategy": "sequoia",
-            "ssm": self.drafter.index,
+            "ssm": self.index,
             "nodes": self.tree.nodes,
             "depth": self.tree.depth,
             "expected_tokens_per_step": self.tree.expected_tokens,

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import ChainShape, DraftShape
@@ -62,14 +62,10 @@ class Speculator(Protocol):
         """Strategy-specific statistics of the last `generate` (JSON-ready), for `DecodeStats.strategy`."""
 
 
-def ssm_drafters(speculator: object) -> list[SSMDrafter]:
-    """The `SSMDrafter`s a speculator drafts with: its `drafters`, or its one `drafter`."""
-    drafters = getattr(speculator, "drafters", None)
-    if drafters is None:
-        drafters = (
-            [speculator.drafter] if isinstance(getattr(speculator, "drafter", None), SSMDrafter) else []
-        )
-    return list(drafters)
+def pool_drafters(speculator: object) -> list[PoolDrafter]:
+    """The `PoolDrafter` a built-in speculator drafts with (none for a custom one)."""
+    drafter = getattr(speculator, "drafter", None)
+    return [drafter] if isinstance(drafter, PoolDrafter) else []
 
 
 class PoolSpeculator:
@@ -88,7 +84,7 @@ class PoolSpeculator:
     ) -> None:
         if not ssms:
             raise ValueError("speculative decoding needs at least one SSM")
-        self.drafters = [SSMDrafter(model, i) for i, model in enumerate(ssms)]
+        self.drafter = PoolDrafter(ssms)
         self.shape = shape or ChainShape()
         if length_controller is not None and not isinstance(self.shape, ChainShape):
             raise ValueError(f"a length controller sets chain lengths; use ChainShape, not {self.shape!r}")
@@ -101,12 +97,8 @@ class PoolSpeculator:
         return self.shape.kind(do_sample)
 
     def reset(self, seed: int | None) -> None:
-        for drafter in self.drafters:
-            drafter.reset()
-        self._generators = [
-            None if seed is None else torch.Generator(d.model.device).manual_seed(seed + 7919 * (d.index + 1))
-            for d in self.drafters
-        ]
+        self.drafter.reset()
+        self._generators = ssm_generators(seed, self.drafter.models)
         if self.length_controller is not None:
             self.length_controller.reset()
 
@@ -118,11 +110,8 @@ class PoolSpeculator:
 
     def draft_merged(self, request: DraftRequest, probs: LogitsToProbs) -> TokenTree:
         """Every SSM drafts `step_shape()` with `probs` (greedy or sampled); the trees merged."""
-        shape = self.step_shape()
-        trees = [
-            drafter.draft(request.verified, shape, probs, request.max_depth, gen)
-            for drafter, gen in zip(self.drafters, self._generators, strict=True)
-        ]
+        shapes = [self.step_shape()] * self.num_ssms
+        trees = self.drafter.draft(request.verified, shapes, probs, request.max_depth, self._generators)
         return trees[0] if len(trees) == 1 else merge_trees(trees)
 
     def propose(self, request: DraftRequest) -> TokenTree:
@@ -139,3 +128,14 @@ class PoolSpeculator:
             report["length_controller"] = self.length_controller.describe()
             report["lengths"] = self.length_controller.history[:-1]  # per step, like match_lengths
         return report
+
+
+def ssm_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    """SSM `index`'s random stream for a sequence seeded `seed`, apart from the LLM's (which the
+    decoder seeds with `seed` itself)."""
+    return None if seed is None else torch.Generator(device).manual_seed(seed + 7919 * (index + 1))
+
+
+def ssm_generators(seed: int | None, ssms: list[PreTrainedModel]) -> list[torch.Generator | None]:
+    """Every SSM's stream (`ssm_generator`), SSM i of `ssms` being pool index i."""
+    return [ssm_generator(seed, i, ssm.device) for i, ssm in enumerate(ssms)]

@@ -32,6 +32,7 @@ class Proposal:
 
     ssm: int
     q: torch.Tensor | None  # [V] draft distribution at the parent, after logits processing
+    p: float | None = None  # the SSM's own probability of the token there (None: not recorded)
 
 
 @dataclass
@@ -82,19 +83,30 @@ class TokenTree:
             self.children[parent].append(child)
         return child
 
-    def add_child(self, parent: int, token: int, ssm: int, q: torch.Tensor | None = None) -> int:
-        """Insert `token` under `parent` and record SSM `ssm`'s proposal of it."""
+    def add_child(
+        self, parent: int, token: int, ssm: int, q: torch.Tensor | None = None, p: float | None = None
+    ) -> int:
+        """Insert `token` under `parent` and record SSM `ssm`'s proposal of it (with the distribution
+        `q` it was drawn from and the SSM's probability `p` of it, when known)."""
         child = self.insert(parent, token)
         self.ssms[child].add(ssm)
         self.ssms[parent].add(ssm)
-        self.proposals[child].append(Proposal(ssm, q))
+        self.proposals[child].append(Proposal(ssm, q, p))
         return child
 
-    def add_sequence(self, tokens: list[int], ssm: int, qs: list[torch.Tensor] | None = None) -> list[int]:
+    def add_sequence(
+        self,
+        tokens: list[int],
+        ssm: int,
+        qs: list[torch.Tensor | None] | None = None,
+        ps: list[float | None] | None = None,
+    ) -> list[int]:
         """Insert one drafted sequence below the root; returns the node index of each token."""
         node, path = 0, []
         for i, token in enumerate(tokens):
-            node = self.add_child(node, token, ssm, None if qs is None else qs[i])
+            node = self.add_child(
+                node, token, ssm, None if qs is None else qs[i], None if ps is None else ps[i]
+            )
             path.append(node)
         return path
 

@@ -1,7 +1,8 @@
 """Fixed-capacity tree caches (ALGORITHMS.md sections 1 and 11): after any sequence of tree passes,
 commits, truncations, row selections and growth, every row of a `TreeCache` holds exactly what a
 plain forward over its text would build, and a pass over it gives the same logits. The LLM side
-(the verifiers) and the SSM side (`SSMDrafter` sync) are checked on real models."""
+(the verifiers) and the SSM side (`PoolDrafter` sync, one SSM and a pool, stacked or not) are
+checked on real models."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from specboost.decoder.sequence import SequenceState
 from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
-from specboost.speculator import BeamShape, ChainShape, SSMDrafter, TopologyShape
+from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape
 from specboost.speculator.kv_cache import CAPACITY_STEP, TreeCache, bucket, tree_pass
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.tree import DraftKind, TokenTree, TreeBatch
@@ -185,44 +186,77 @@ def test_verifiers_leave_the_llm_cache_at_the_accepted_sequence(arch: str, verif
         assert_row_holds(cache, 0, llm, prompt + greedy[:k])
 
 
-# The SSM side: SSMDrafter sync --------------------------------------------------------------------
+# The SSM side: PoolDrafter sync -------------------------------------------------------------------
+POOLS = {"one SSM": (1, True), "stacked pool": (2, True), "pool one by one": (2, False)}
+
+
+def pool_for(arch: str, pool: str) -> tuple[PoolDrafter, list[PreTrainedModel]]:
+    size, stack = POOLS[pool]
+    ssms = [ARCHITECTURES[arch](layers=1, seed=5 + i) for i in range(size)]
+    drafter = PoolDrafter(ssms, stack=stack)
+    assert drafter.stacked == (stack and size > 1)
+    return drafter, ssms
+
+
+def assert_rows_hold(drafter: PoolDrafter, ssms: list[PreTrainedModel], verified: list[int]) -> None:
+    """Every SSM's row commits exactly the verified tokens (drafted nodes are pending)."""
+    for unit in drafter.units:
+        for r, row in enumerate(unit.rows):
+            assert row.cached == verified
+            assert_row_holds(unit.cache, r, ssms[row.member], verified)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("pool", sorted(POOLS))
 @MODEL_SETTINGS
 @given(prompt=st.lists(tokens, min_size=1, max_size=6), data=st.data())
-def test_ssm_cache_after_sync_equals_recomputed_prefix(
-    arch: str, shape: str, prompt: list[int], data: st.DataObject
+def test_ssm_caches_after_sync_equal_recomputed_prefix(
+    arch: str, shape: str, pool: str, prompt: list[int], data: st.DataObject
 ) -> None:
-    ssm = ssm_for(arch)
-    drafter = SSMDrafter(ssm, 0)
+    drafter, ssms = pool_for(arch, pool)
+    shapes = [SHAPES[shape]] * len(ssms)
     verified = list(prompt)
-    tree = drafter.draft(verified, SHAPES[shape], GREEDY, max_depth=4)
+    trees = drafter.draft(verified, shapes, GREEDY, max_depth=4)
     for _ in range(3):
-        # The LLM accepts some path of the tree, then emits a token of its own: often one the SSM
-        # also liked (a pruned beam or a sibling whose K/V the SSM cache holds), sometimes any token.
+        # The LLM accepts some path of one SSM's tree, then emits a token of its own: often one the
+        # SSM also liked (a pruned beam or a sibling whose K/V the SSM cache holds), sometimes any.
+        tree = trees[data.draw(st.integers(0, len(trees) - 1), label="SSM whose path is accepted")]
         node = data.draw(st.integers(0, len(tree) - 1), label="last accepted node")
         path = [tree.tokens[u] for u in tree.path_to(node)]
         with torch.no_grad():
-            after = ssm(input_ids=torch.tensor([verified + path])).logits[0, -1]
+            after = ssms[0](input_ids=torch.tensor([verified + path])).logits[0, -1]
         favourite = torch.topk(after, 3).indices.tolist()
         next_token = data.draw(st.sampled_from(favourite) | tokens, label="correction")
         verified = verified + path + [next_token]
 
-        tree = drafter.draft(verified, SHAPES[shape], GREEDY, max_depth=4)  # syncs, then drafts
-        assert drafter.cached_tokens == verified
-        # The verified tokens are the committed text of the SSM cache (drafted nodes are pending).
-        assert_row_holds(drafter.cache, 0, ssm, verified)
-        # Drafting does not depend on the history: a fresh drafter drafts the same tree.
-        fresh = SSMDrafter(ssm, 0).draft(verified, SHAPES[shape], GREEDY, max_depth=4)
-        assert (tree.tokens, tree.parents) == (fresh.tokens, fresh.parents)
+        trees = drafter.draft(verified, shapes, GREEDY, max_depth=4)  # syncs, then drafts
+        assert_rows_hold(drafter, ssms, verified)
+        # Drafting does not depend on the history, nor on the other SSMs: each SSM alone and fresh
+        # drafts the same tree.
+        for ssm, tree in zip(ssms, trees, strict=True):
+            fresh = PoolDrafter([ssm]).draft_one(verified, SHAPES[shape], GREEDY, max_depth=4)
+            assert (tree.tokens, tree.parents) == (fresh.tokens, fresh.parents)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_ssm_sync_after_a_divergent_history_recomputes(arch: str) -> None:
-    """Verified tokens that disagree with what the SSM cached (a new prompt sharing a prefix)."""
-    ssm = ssm_for(arch)
-    drafter = SSMDrafter(ssm, 0)
-    drafter.draft([1, 2, 3, 4, 5], ChainShape(3), GREEDY, max_depth=3)
-    drafter.draft([1, 2, 9, 9], ChainShape(3), GREEDY, max_depth=3)
-    assert drafter.cached_tokens == [1, 2, 9, 9]
-    assert_row_holds(drafter.cache, 0, ssm, [1, 2, 9, 9])
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_ssm_sync_after_a_divergent_history_recomputes(arch: str, pool: str) -> None:
+    """Verified tokens that disagree with what the SSMs cached (a new prompt sharing a prefix)."""
+    drafter, ssms = pool_for(arch, pool)
+    chains = [ChainShape(3)] * len(ssms)
+    drafter.draft([1, 2, 3, 4, 5], chains, GREEDY, max_depth=3)
+    drafter.draft([1, 2, 9, 9], chains, GREEDY, max_depth=3)
+    assert_rows_hold(drafter, ssms, [1, 2, 9, 9])
+
+
+def test_an_ssm_that_sits_out_catches_up_later() -> None:
+    """A pool where SSM 1 drafts nothing for a step (the learned scheduler's choice) stays synced."""
+    drafter, ssms = pool_for("llama", "stacked pool")
+    trees = drafter.draft([1, 2, 3], [ChainShape(2), ChainShape(2)], GREEDY, max_depth=2)
+    verified = [1, 2, 3, *(trees[0].tokens[u] for u in trees[0].path_to(2)), 7]
+    trees = drafter.draft(verified, [ChainShape(3), None], GREEDY, max_depth=3)
+    assert trees[1] is None
+    verified += [trees[0].tokens[1], 9]
+    drafter.draft(verified, [None, BeamShape(2, 2)], GREEDY, max_depth=2)
+    assert_rows_hold(drafter, ssms, verified)

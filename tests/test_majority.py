@@ -23,15 +23,19 @@ from test_sampling_lossless import VOCAB, check_decoder, spread
 
 from specboost.decoder import BeamShape, ChainShape, Rule, SpeculativeDecoder, TopologyShape
 from specboost.speculator.length_control import make_length_controller
+from specboost.speculator.cost_model import CostModel
 from specboost.speculator.majority import (
     MajorityConfig,
     MajoritySpeculator,
     MajorityWeights,
     PrunedPoolSpeculator,
+    best_first,
     induced_subtree,
+    node_scores,
     node_weights,
+    paying_budget,
     plot_weight_history,
-    prune_by_weight,
+    prune,
     voted_path,
 )
 from specboost.speculator.tree import DraftKind, TokenTree, merge_trees
@@ -113,7 +117,7 @@ def test_prune_keeps_the_heaviest_nodes_with_their_parents(weights: list[float])
     all_weights = sorted(node_weights(tree, weights)[1:], reverse=True)
     original = set(subtree_prefixes(tree))
     for budget in range(1, len(tree) + 2):
-        pruned = prune_by_weight(tree, weights, budget)
+        pruned = prune(tree, weights, budget)
         assert pruned.num_draft_tokens == min(budget, tree.num_draft_tokens)
         prefixes = subtree_prefixes(pruned)
         assert set(prefixes) <= original
@@ -125,8 +129,8 @@ def test_prune_keeps_the_heaviest_nodes_with_their_parents(weights: list[float])
 
 def test_prune_ties_prefer_shallow_nodes() -> None:
     tree = merged([1, 2], [3, 4])
-    assert subtree_prefixes(prune_by_weight(tree, [1.0, 1.0], 2)) == [(1,), (3,)]
-    assert subtree_prefixes(prune_by_weight(tree, [1.0, 1.5], 2)) == [(3,), (3, 4)]
+    assert subtree_prefixes(prune(tree, [1.0, 1.0], 2)) == [(1,), (3,)]
+    assert subtree_prefixes(prune(tree, [1.0, 1.5], 2)) == [(3,), (3, 4)]
 
 
 def test_induced_subtree_needs_parents() -> None:
@@ -216,19 +220,62 @@ def test_majority_weights_find_the_right_ssm() -> None:
 
 
 def test_pruned_pool_weights_find_the_right_ssm() -> None:
-    """Budget 4 over chains of 4: with equal weights both chains keep 2 nodes (ties: shallow
-    first); the copy's 2 nodes are accepted and the wrong SSM's are not, so from then on the
-    budget goes to the copy's whole chain."""
+    """Budget 4 over chains of 4. The always-wrong SSM is sure of its tokens and the LLM's copy is
+    not (a random model), so at equal weights the wrong SSM's chain fills the budget; each step
+    punishes it (ACR 0) until its nodes score below the copy's, then the copy's tokens are kept,
+    accepted, and the copy is rewarded."""
     llm, wrong, ids, expected = right_and_wrong("gpt2", 13, 5, 30)
     speculator = PrunedPoolSpeculator(
         [wrong, llm], ChainShape(4), budget=4, config=MajorityConfig(update_every=1)
     )
     out = SpeculativeDecoder(llm, [wrong, llm], speculator=speculator).generate(ids, max_new_tokens=30)
     assert out.sequences.tolist() == expected.tolist()
-    assert out.stats.match_lengths[:3] == [2, 4, 4]
-    history = out.stats.strategy["weights"]
-    assert history[:3] == [[1.0, 1.0], [0.8, 1.25], [0.8, 1.25**2]]
+    history, lengths = out.stats.strategy["weights"], out.stats.match_lengths
+    turn = next(step for step, accepted in enumerate(lengths) if accepted)
+    assert history[: turn + 1] == [pytest.approx([0.8**step, 1.0]) for step in range(turn + 1)]
+    assert history[-1][1] > 1.0 > history[-1][0]  # the copy rewarded, the wrong SSM punished
     assert out.stats.strategy["strategy"] == "pruned" and out.stats.strategy["budget"] == 4
+
+
+def test_node_scores_weigh_each_ssms_own_probability() -> None:
+    """c_v = sum over v's proposers of w_i p_i(v) / the weight through v's parent; path products."""
+    tree = TokenTree.root_only(99)
+    tree.add_sequence([1, 2], ssm=0, ps=[0.5, 0.8])
+    tree.add_sequence([1, 3], ssm=1, ps=[0.9, 0.6])
+    tree.add_sequence([4], ssm=2)  # probability not recorded: 1
+    weights = [1.0, 2.0, 1.0]
+    score = node_scores(tree, weights)
+    one = (1.0 * 0.5 + 2.0 * 0.9) / 4.0
+    assert score == pytest.approx([1.0, one, one * 0.8 * 1 / 3, one * 0.6 * 2 / 3, 1 / 4])
+    assert best_first(tree, score) == [1, 4, 3, 2]
+
+
+def test_paying_budget_keeps_the_nodes_worth_their_verification() -> None:
+    """A chain whose scores fall fast: each node pays while its score exceeds the step's marginal cost."""
+    tree = TokenTree.root_only(99)
+    tree.add_sequence([1, 2, 3, 4], ssm=0, ps=[0.9, 0.9, 0.2, 0.9])  # scores 0.9, 0.81, 0.162, 0.146
+    assert paying_budget(tree, [1.0], lambda n: 1.0) == 4  # verification free: keep everything
+    assert paying_budget(tree, [1.0], lambda n: 1.0 + 0.1 * n) == 2  # rates 1, 1.73, 2.26, 2.21, 2.16
+    assert paying_budget(tree, [1.0], lambda n: 1.0 + 2.0 * n) == 0  # nothing pays: verify none
+
+
+def test_pruned_pool_with_a_cost_model_is_lossless_and_keeps_what_pays() -> None:
+    """No budget: each step keeps the number of best nodes the cost model says pays; greedy output
+    still equals generate."""
+    llm_seed, prompt_seed, length, max_new = CASES[0]
+    ssms = [noisy_ssm("llama", llm_seed, 0.1, 0), noisy_ssm("llama", llm_seed, 0.3, 1)]
+    cost = CostModel("test", [1, 64], [1.0, 64.0], [{}, {}], [0.1, 0.1])  # every node costs a token
+    speculator = PrunedPoolSpeculator(ssms, BeamShape(2, 3), budget=None, cost_model=cost)
+    ids = prompt_ids(prompt_seed, length)
+    out = SpeculativeDecoder(llm_for("llama", llm_seed), ssms, speculator=speculator).generate(
+        ids, max_new_tokens=max_new
+    )
+    assert out.sequences.tolist() == reference("llama", llm_seed, ids, max_new).tolist()
+    kept = out.stats.strategy["kept"]
+    assert out.stats.strategy["budget"] == "profile" and len(kept) == out.stats.llm_steps
+    assert max(kept) < 12  # a node costs as much as an LLM token: only sure ones pay
+    with pytest.raises(ValueError, match="budget .* or a cost model"):
+        PrunedPoolSpeculator(ssms, BeamShape(2, 3), budget=None)
 
 
 # Greedy: identical to llm.generate -------------------------------------------------------------------------

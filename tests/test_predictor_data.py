@@ -13,7 +13,7 @@ from test_boost import save_llama, save_tokenizer, write_distilled
 from transformers import AutoModelForCausalLM
 
 from specboost.speculator.beam_search import beam_match_lengths
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import BeamShape
 from specboost.training import predictor_data
@@ -24,7 +24,9 @@ DEPTHS = (1, 2, 4, 8)
 
 def drafter_match(ssm, context: list[int], reference: list[int], width: int, depth: int) -> int:
     """The match length of the decoder's own beam tree: the longest root path equal to the reference."""
-    tree = SSMDrafter(ssm, 0).draft(context, BeamShape(width, depth), LogitsToProbs(SamplingConfig()), depth)
+    tree = PoolDrafter([ssm]).draft_one(
+        context, BeamShape(width, depth), LogitsToProbs(SamplingConfig()), depth
+    )
     best = 0
     for sequence in tree.sequences():  # root excluded
         n = 0

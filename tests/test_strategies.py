@@ -76,7 +76,7 @@ def test_sequoia_picks_the_ssm_its_tree_promises_most_for() -> None:
     dec = SpeculativeDecoder(
         llm, ssms, strategy="sequoia", strategy_options=StrategyOptions(nodes=6, acceptance=[WEAK, STRONG])
     )
-    assert dec.speculator.drafter.index == 1 and dec.speculator.tree.nodes == 6
+    assert dec.speculator.index == 1 and dec.speculator.tree.nodes == 6
     chosen = SpeculativeDecoder(
         llm,
         ssms,
@@ -84,11 +84,11 @@ def test_sequoia_picks_the_ssm_its_tree_promises_most_for() -> None:
         cost_model=COST,
         strategy_options=StrategyOptions(acceptance=[STRONG, WEAK]),
     )
-    assert chosen.speculator.drafter.index == 0 and chosen.speculator.choice is not None
+    assert chosen.speculator.index == 0 and chosen.speculator.choice is not None
     single = SpeculativeDecoder(
         llm, ssms, strategy="sequoia", strategy_options=StrategyOptions(nodes=4, acceptance=WEAK)
     )
-    assert single.speculator.drafter.index == 0  # one vector: SSM 0 unless StrategyOptions(ssm=)
+    assert single.speculator.index == 0  # one vector: SSM 0 unless StrategyOptions(ssm=)
 
 
 def test_the_pool_supplies_weights_and_acceptance_vectors() -> None:
@@ -97,7 +97,7 @@ def test_the_pool_supplies_weights_and_acceptance_vectors() -> None:
     majority = SpeculativeDecoder(llm, pool, strategy="majority").speculator
     assert isinstance(majority, MajoritySpeculator) and majority.weights == [0.25, 0.75]
     sequoia = SpeculativeDecoder(llm, pool, strategy="sequoia", strategy_options=StrategyOptions(nodes=5))
-    assert sequoia.speculator.drafter.index == 0 and sequoia.speculator.acceptance == STRONG
+    assert sequoia.speculator.index == 0 and sequoia.speculator.acceptance == STRONG
     with pytest.raises(ValueError, match="1 acceptance vectors for 2 SSMs"):
         SSMPool(ssms, None, {}, [0.5, 0.5], acceptance=[STRONG])
 

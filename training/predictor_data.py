@@ -21,7 +21,7 @@ are skipped (counted). Use greedy distillation data: nearly every position is th
 Beam search runs batched: all positions of a sample at once, each position's `width` beams as
 rows of one left-padded batch with a shared KV cache; the beams alive after d steps are exactly
 the beams of a depth-d search, so one depth-16 search per width yields every depth. The search
-is the drafter's (`SSMDrafter._draft_beam`: top-`width` of beam score + log-softmax over all
+is the drafter's (`draft_plans.BeamPlan`: top-`width` of beam score + log-softmax over all
 beams x vocabulary; a test checks they agree).
 
 OUT gets `run.json`, `shards/` (Parquet, one per `shard_size` samples, written atomically: a

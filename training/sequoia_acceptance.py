@@ -3,13 +3,13 @@ sequences, for Sequoia's tree DP (`specboost.speculator.sequoia_dp`).
 
 Both the LLM and the SSM run teacher-forced over each sequence (one plain causal pass each);
 every position that predicts a continuation token is one trial. At such a position, with
-children filled as `SSMDrafter` fills a Sequoia topology:
+children filled as the drafter fills a Sequoia topology (`speculator/draft_plans.py`):
 
 - greedy (top-k children, `rule="greedy"`): the child of rank j is accepted iff the LLM's
   argmax is the SSM's j-th ranked token (ranked by `torch.topk`, as the drafter does);
 - sampling without replacement (`rule="without_replacement"`, Sequoia Alg. 1): the position is
   replayed `simulations` times (Monte Carlo, fixed seed): k children drawn from q without
-  replacement by the drafter's own `SSMDrafter.sample_children`, verified by
+  replacement by the drafter's own `choose_children`, verified by
   `verify_without_replacement` of decoder/verify.py (the same residual updates as decoding); the
   accepted child's rank counts. The exact law would sum over every sequence of rejected tokens
   (V^k paths), hence sampling.
@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.decoder.verify import verify_without_replacement
-from specboost.speculator.drafter import SSMDrafter
+from specboost.speculator.draft_plans import choose_children
 from specboost.speculator.model_info import context_length
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.sequoia_acceptance import AcceptanceVector
@@ -67,7 +67,7 @@ def without_replacement_counts(
     p_rows = probs(llm_logits)  # [N, V]
     for p, logits in zip(p_rows, ssm_logits, strict=True):
         for _ in range(simulations):
-            tokens, q = SSMDrafter.sample_children(probs.scores(logits[None])[0], k, True, generator)
+            tokens, q, _ = choose_children(probs.scores(logits[None])[0], k, True, generator)
             tree = TokenTree.root_only(-1, DraftKind.SAMPLED_WITHOUT_REPLACEMENT)
             for token in tokens:
                 tree.add_child(0, token, 0, q)

@@ -1,0 +1,58 @@
+"""A pool of SSMs of one architecture run as one stacked model: every member's rows get exactly
+that member's logits, on the whole architecture matrix, through the decoder's own tree passes;
+pools that cannot be stacked say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_gpt2, tiny_llama
+from test_architectures import ARCHS, models
+
+from specboost.speculator.kv_cache import TreeCache
+from specboost.speculator.stacked_pool import stack_pool, why_not_stackable
+
+
+def pool_of(arch: str, members: int = 3) -> list[torch.nn.Module]:
+    llm, _ = models(arch)
+    return [noisy_copy(llm, scale=0.3, seed=10 + i) for i in range(members)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stacked_rows_equal_each_members_own_tree_passes(arch: str) -> None:
+    """A prompt, then a tree level fed as pending nodes, over 2 sequences x 3 members: every row's
+    logits equal its member's own cache's (float64)."""
+    ssms = pool_of(arch)
+    pooled = stack_pool(ssms)
+    prompts = [[3, 9, 4, 1, 7, 2, 8, 5, 6], [11, 12, 13, 14]]
+    rows = [prompt for _ in ssms for prompt in prompts]  # member-major
+    stacked = TreeCache(pooled, len(rows), 128)
+    got = stacked.feed_chains(rows).logits
+    singles = [TreeCache(ssm, len(prompts), 128) for ssm in ssms]
+    want = torch.cat([cache.feed_chains(prompts).logits for cache in singles])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    tokens = torch.tensor([[20, 21, 22]] * len(rows))
+    visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(len(rows), 3, 3)
+    lengths = torch.tensor(stacked.lengths)[:, None]
+    depths = torch.tensor([0, 1, 1])
+    got = stacked.feed(tokens, lengths + depths, visible).logits
+    want = torch.cat(
+        [
+            cache.feed(
+                tokens[: len(prompts)], torch.tensor(cache.lengths)[:, None] + depths, visible[:2]
+            ).logits
+            for cache in singles
+        ]
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_pools_that_cannot_be_stacked_say_why() -> None:
+    llama, gpt2 = tiny_llama(seed=1), tiny_gpt2(seed=1)
+    assert why_not_stackable([llama]) == "a single SSM"
+    assert "GPT2LMHeadModel" in why_not_stackable([llama, gpt2])
+    assert "float32" in why_not_stackable([llama, tiny_llama(seed=2).float()])
+    assert "configuration" in why_not_stackable([llama, tiny_llama(layers=3)])
+    assert why_not_stackable([llama, tiny_llama(seed=2)]) is None
+    with pytest.raises(ValueError, match="cannot be stacked: SSM 1 is a GPT2LMHeadModel"):
+        stack_pool([llama, gpt2])
