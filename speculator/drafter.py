@@ -198,7 +198,7 @@ class PoolDrafter:
             for i in range(width):
                 seen = [False] * (pending + width)
                 if i < len(nodes):
-                    ancestors = _ancestors(tree, nodes[i])
+                    ancestors = tree.ancestors(nodes[i])
                     for u in ancestors:
                         if u in fed:
                             seen[fed[u]] = True
@@ -236,12 +236,3 @@ def _kept_nodes(row: _Row, verified: list[int]) -> tuple[list[int], int]:
         kept.append(row.slots[child])
         node = child
     return kept, n
-
-
-def _ancestors(tree: TokenTree, node: int) -> set[int]:
-    """`node` and every node above it, root included."""
-    out = {node}
-    while tree.parents[node] >= 0:
-        node = tree.parents[node]
-        out.add(node)
-    return out

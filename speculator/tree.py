@@ -110,6 +110,14 @@ class TokenTree:
             path.append(node)
         return path
 
+    def ancestors(self, node: int) -> set[int]:
+        """`node` and every node above it, root included."""
+        out = {node}
+        while self.parents[node] >= 0:
+            node = self.parents[node]
+            out.add(node)
+        return out
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the first drafted node down to `node` (root excluded)."""
         path = []

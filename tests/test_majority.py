@@ -22,8 +22,8 @@ from test_greedy_equivalence import (
 from test_sampling_lossless import VOCAB, check_decoder, spread
 
 from specboost.decoder import BeamShape, ChainShape, Rule, SpeculativeDecoder, TopologyShape
-from specboost.speculator.length_control import make_length_controller
 from specboost.speculator.cost_model import CostModel
+from specboost.speculator.length_control import make_length_controller
 from specboost.speculator.majority import (
     MajorityConfig,
     MajoritySpeculator,
@@ -274,7 +274,7 @@ def test_pruned_pool_with_a_cost_model_is_lossless_and_keeps_what_pays() -> None
     kept = out.stats.strategy["kept"]
     assert out.stats.strategy["budget"] == "profile" and len(kept) == out.stats.llm_steps
     assert max(kept) < 12  # a node costs as much as an LLM token: only sure ones pay
-    with pytest.raises(ValueError, match="budget .* or a cost model"):
+    with pytest.raises(ValueError, match=r"budget .* or a cost model"):
         PrunedPoolSpeculator(ssms, BeamShape(2, 3), budget=None)
 
 

@@ -48,15 +48,6 @@ def trees(draw: st.DrawFn, max_nodes: int = 10) -> TokenTree:
     return make_tree(tokens, parents)
 
 
-def ancestors_of(tree: TokenTree, u: int) -> set[int]:
-    """u itself and every node above it, root included."""
-    out = {u}
-    while tree.parents[u] >= 0:
-        u = tree.parents[u]
-        out.add(u)
-    return out
-
-
 # The mask ------------------------------------------------------------------------------------------
 DTYPES = st.sampled_from([torch.float64, torch.float32, torch.float16])
 
@@ -84,7 +75,7 @@ def test_mask_shows_each_node_its_rows_text_itself_and_its_ancestors(
     for i, tree in enumerate(batch_trees):
         for u in range(n):
             # A padding node (past the end of a smaller tree) sees the text and only itself.
-            mine = ancestors_of(tree, u) if u < len(tree) else {u}
+            mine = tree.ancestors(u) if u < len(tree) else {u}
             expected = set(range(row_lengths[i])) | {width + v for v in mine}
             assert set(torch.nonzero(visible[i, u]).flatten().tolist()) == expected
 
