@@ -19,7 +19,8 @@ members one after another).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -72,8 +73,11 @@ class StackedEmbedding(nn.Module):
 
 class StackedLeaf(nn.Module):
     """Any other leaf module with parameters (a norm, a learned position embedding), run by each
-    member on its own rows under `torch.vmap` over the members' stacked parameters: every tensor
-    argument with one row per batch row is split by member, the others are shared."""
+    member on its own rows. A leaf that takes one tensor and uses its parameters elementwise (the
+    RMS and Gemma norms) runs once on the rows grouped [P, B, ...] with its parameters shaped to
+    broadcast [P, 1, ..., *shape]; any other runs under `torch.vmap` over the members' stacked
+    parameters, every tensor argument with one row per batch row split by member. Which of the two
+    is decided at the first call: broadcasting is used only if it gives exactly vmap's result."""
 
     def __init__(self, leaves: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -81,8 +85,37 @@ class StackedLeaf(nn.Module):
         params, _ = torch.func.stack_module_state(list(leaves))
         self.names = list(params)
         self.stacked = nn.ParameterList([nn.Parameter(params[name].detach()) for name in self.names])
+        self.broadcasts: bool | None = None  # decided at the first call
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.broadcasts:
+            return self._broadcast(args[0])
+        if self.broadcasts is None:
+            mapped = self._vmapped(*args, **kwargs)
+            self.broadcasts = len(args) == 1 and not kwargs and self._same(self._broadcast, args[0], mapped)
+            return mapped
+        return self._vmapped(*args, **kwargs)
+
+    def _same(
+        self, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, expected: torch.Tensor
+    ) -> bool:
+        try:
+            with warnings.catch_warnings():  # a leaf that does not broadcast may warn on the way
+                warnings.simplefilter("ignore")
+                return torch.equal(run(x), expected)
+        except (RuntimeError, ValueError):  # parameters that do not broadcast (e.g. F.layer_norm's)
+            return False
+
+    def _broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        members = len(self.stacked[0])
+        grouped = x.reshape(members, -1, *x.shape[1:])  # [P, B, ...]
+        params = {
+            name: p.view(members, *[1] * (grouped.dim() - p.dim()), *p.shape[1:])
+            for name, p in zip(self.names, self.stacked, strict=True)
+        }
+        return torch.func.functional_call(self.template, params, (grouped,)).reshape(x.shape)
+
+    def _vmapped(self, *args: object, **kwargs: object) -> torch.Tensor:
         members = len(self.stacked[0])
         rows = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)).shape[0]
         if rows % members:

@@ -10,7 +10,7 @@ from conftest import noisy_copy, tiny_gpt2, tiny_llama
 from test_architectures import ARCHS, models
 
 from specboost.speculator.kv_cache import TreeCache
-from specboost.speculator.stacked_pool import stack_pool, why_not_stackable
+from specboost.speculator.stacked_pool import StackedLeaf, stack_pool, why_not_stackable
 
 
 def pool_of(arch: str, members: int = 3) -> list[torch.nn.Module]:
@@ -45,6 +45,15 @@ def test_stacked_rows_equal_each_members_own_tree_passes(arch: str) -> None:
         ]
     )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_norms_that_scale_elementwise_run_once_for_the_whole_pool() -> None:
+    """Llama's RMS norms broadcast their stacked weights (no vmap); GPT-2's layer norms need vmap."""
+    llama = stack_pool(pool_of("llama"))
+    leaves = [m for m in llama.modules() if isinstance(m, StackedLeaf)]
+    assert leaves and all(leaf.broadcasts for leaf in leaves)
+    gpt2 = stack_pool(pool_of("gpt2"))
+    assert not any(m.broadcasts for m in gpt2.modules() if isinstance(m, StackedLeaf))
 
 
 def test_pools_that_cannot_be_stacked_say_why() -> None:
