@@ -36,6 +36,7 @@ from specboost.speculator.speculation import (
     PoolSpeculator,
     Speculator,
     StepFeedback,
+    pool_drafters,
     ssm_generator,
 )
 from specboost.speculator.tree import ChainDraft, TokenTree
@@ -59,6 +60,10 @@ class GroupDrafting(Protocol):
     ) -> list[TokenTree] | ChainDraft:
         """One tree per row, at most `depths[b]` deep (or one SSM's greedy chains, still on the
         device); `length` is the batch's chain length (None: the strategy's own shape)."""
+
+    def levels(self, row: int) -> int:
+        """Tree levels drafted for row `row` in the last `propose` (for a stacked pool one pass each,
+        the catch-up pass included; one pass per SSM and level otherwise)."""
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         """What the LLM accepted of each row's tree."""
@@ -104,6 +109,7 @@ class BatchedChainDrafting:
             for unit in pool.units
         ]
         self.generators: list[list[torch.Generator | None]] = [[] for _ in self.units]  # per unit row
+        self._levels = 0  # of the last `propose`: one pass per chain position
 
     def add(self, rows: list[SequenceState]) -> None:
         for (drafter, indices), generators in zip(self.units, self.generators, strict=True):
@@ -128,6 +134,7 @@ class BatchedChainDrafting:
     ) -> list[TokenTree] | ChainDraft:
         length = self.shape.length if length is None else length
         lengths = [min(length, depth) for depth in depths]
+        self._levels = max(lengths, default=0)
         verified = [row.tokens for row in rows]
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         if greedy and len(self.units) == 1 and self.units[0][0].members == 1:
@@ -152,6 +159,9 @@ class BatchedChainDrafting:
                 tree, index = trees[r % len(rows)], indices[r // len(rows)]
                 tree.add_sequence([t for t, _ in chain], index, [q for _, q in chain])
         return trees
+
+    def levels(self, row: int) -> int:
+        return self._levels
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         """Nothing to learn: the SSM caches catch up on the next draft."""
@@ -200,6 +210,9 @@ class PerSequenceDrafting:
                 speculator.shape = ChainShape(length)
             trees.append(speculator.propose(DraftRequest(row.tokens, depth, row.probs, row.hidden)))
         return trees
+
+    def levels(self, row: int) -> int:
+        return sum(drafter.levels for drafter in pool_drafters(self.speculators[row]))
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         for row, nodes, speculator in zip(rows, accepted, self.speculators, strict=True):

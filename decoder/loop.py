@@ -123,6 +123,7 @@ class SequenceGroup:
         self.chains = drafted if isinstance(drafted, ChainDraft) else None  # trees come with the verdicts
         for b, row in enumerate(self.rows):
             row.tree = None if self.chains is not None else drafted[b]
+            row.stats.draft_levels += self.drafting.levels(b)
         if length is not None:
             self.lengths.append(length)
 

@@ -16,6 +16,7 @@ class DecodeStats:
     llm_steps: int = 0  # LLM verification passes
     new_tokens: int = 0  # tokens emitted (accepted drafts + one LLM token per step, after stopping)
     draft_tokens: int = 0  # drafted tree nodes sent to the LLM
+    draft_levels: int = 0  # tree levels the SSMs drafted (a stacked pool drafts each in one pass)
     accepted_tokens: int = 0  # drafted tokens the LLM accepted
     proposed_per_ssm: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     accepted_per_ssm: dict[int, int] = field(default_factory=lambda: defaultdict(int))

@@ -74,6 +74,7 @@ class PoolDrafter:
         if not self.stacked:
             self.units = [_Unit(model, [_Row(m)]) for m, model in enumerate(self.models)]
         self.max_positions = context_length(self.models[0])
+        self.levels = 0  # tree levels of the last `draft` (passes of its busiest unit, catch-up included)
 
     def reset(self) -> None:
         """Forget every cache (a new sequence)."""
@@ -108,6 +109,7 @@ class PoolDrafter:
         if self.max_positions is not None:
             max_depth = min(max_depth, self.max_positions - len(verified))
         trees: list[TokenTree | None] = [None] * len(self.models)
+        self.levels = 0
         for unit in self.units:
             if all(shapes[row.member] is None for row in unit.rows):
                 continue
@@ -142,15 +144,16 @@ class PoolDrafter:
                 index = self.indices[row.member]
                 plans[r] = make_plan(shape, verified[-1], index, probs, max_depth, generators[row.member])
                 row.expansion = plans[r].tree
-        level = {r: logits[r : r + 1] for r in plans}
+        level, passes = {r: logits[r : r + 1] for r in plans}, 1
         while True:
             for r, plan in plans.items():
                 if plan.frontier:
                     plan.grow(plan.probs.tree_scores(level[r], plan.tree, verified, plan.frontier))
             feeding = {r: plan.frontier for r, plan in plans.items() if plan.frontier}
             if not feeding:
+                self.levels = max(self.levels, passes)
                 return {unit.rows[r].member: plan for r, plan in plans.items()}
-            level = self._expand(unit, verified, feeding)
+            level, passes = self._expand(unit, verified, feeding), passes + 1
 
     # Cache sync ----------------------------------------------------------------------------------------
     def _sync(self, unit: _Unit, verified: list[int]) -> torch.Tensor:

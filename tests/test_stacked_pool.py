@@ -9,7 +9,9 @@ import torch
 from conftest import noisy_copy, tiny_gpt2, tiny_llama
 from test_architectures import ARCHS, models
 
+from specboost.decoder import ChainShape, SpeculativeDecoder
 from specboost.speculator.kv_cache import TreeCache
+from specboost.speculator.speculation import pool_drafters
 from specboost.speculator.stacked_pool import StackedLeaf, stack_pool, why_not_stackable
 
 
@@ -65,3 +67,18 @@ def test_pools_that_cannot_be_stacked_say_why() -> None:
     assert why_not_stackable([llama, tiny_llama(seed=2)]) is None
     with pytest.raises(ValueError, match="cannot be stacked: SSM 1 is a GPT2LMHeadModel"):
         stack_pool([llama, gpt2])
+
+
+@pytest.mark.parametrize("strategy", ["pool", "majority"])
+def test_the_decoder_drafts_every_level_of_a_stacked_pool_in_one_pass(strategy: str) -> None:
+    """Three SSMs of one architecture: greedy output equals generate, and a step's chains of 4 take
+    4 drafting levels (the catch-up pass and 3 more), whatever the number of SSMs."""
+    llm, _ = models("llama")
+    ssms = pool_of("llama")
+    decoder = SpeculativeDecoder(llm, ssms, shape=ChainShape(4), strategy=strategy)
+    assert all(drafter.stacked for drafter in pool_drafters(decoder.speculator))
+    ids = torch.tensor([[3, 9, 4, 1, 7]])
+    out = decoder.generate(ids, max_new_tokens=24)
+    assert out.sequences.tolist() == llm.generate(ids, do_sample=False, max_new_tokens=24).tolist()
+    assert out.stats.draft_levels <= 4 * out.stats.llm_steps
+    assert out.stats.draft_levels >= 4 * (out.stats.llm_steps - 2)  # shorter chains near the end only
