@@ -120,6 +120,11 @@ def profile(
                 runs[f"ssm {index} {width},{depth}"] = functools.partial(
                     drafter.draft_one, prefix, shape, probs, depth
                 )
+    pool = PoolDrafter(ssms) if len(ssms) > 1 else None
+    if pool is not None and pool.stacked:  # one step of every SSM at once
+        steps = [ChainShape(1)] * len(ssms)
+        pool.draft(prefix, steps, probs, 1)
+        runs["pool step"] = functools.partial(pool.draft, prefix, steps, probs, 1)
     seconds = _interleaved_medians(runs, config.repeats, device, show_progress)
     verify_seconds = [seconds[f"verify {size}"] for size in sizes]
     steps = [seconds[f"ssm {i} step"] for i in range(len(ssms))]
@@ -134,6 +139,7 @@ def profile(
         speculate_seconds=speculate,
         ssm_step_seconds=steps,
         prefix_length=config.prefix_length,
+        pool_step_seconds=seconds.get("pool step"),
         llm=model_name(llm),
         ssms=[model_name(s) for s in ssms],
     )

@@ -3,8 +3,11 @@ sections 5 and 8), stored per device and dtype.
 
 `L_verify(n)` is one LLM tree pass over n tree tokens (root included) after a typical prefix;
 `L_speculate(ssm, b, d)` is one SSM drafting a beam tree of width b and depth d (cache catch-up
-included); `ssm_step_time(ssm)` is one SSM forward step, Sequoia's c numerator. All in seconds,
-measured by `specboost profile` (`specboost.decoder.profiler`).
+included); `ssm_step_time(ssm)` is one SSM forward step, Sequoia's c numerator; `pool_step_seconds`
+is one forward step of the whole pool stacked into one model (`speculator/stacked_pool.py`; None
+when the SSMs draft one after another), so that a pool's drafting costs its slowest SSM's times
+the stacked step's share (`pool_factor`) rather than the sum. All in seconds, measured by
+`specboost profile` (`specboost.decoder.profiler`).
 
 A profile file (`hardware_profile.json`, in the pool folder) maps a device key such as
 "cpu: AMD EPYC 7B13 (1 threads)|float32" to one `CostModel`. Latencies measured on one machine
@@ -54,6 +57,7 @@ class CostModel:
     speculate_seconds: list[dict[str, float]]  # per SSM: "b,d" -> median drafting time
     ssm_step_seconds: list[float]  # per SSM: one forward step
     prefix_length: int = 0  # cached tokens before the tree while measuring
+    pool_step_seconds: float | None = None  # one step of the stacked pool (None: not stacked)
     llm: str | None = None
     ssms: list[str] = field(default_factory=list)
 
@@ -88,6 +92,14 @@ class CostModel:
 
     def ssm_step_time(self, ssm: int) -> float:
         return self.ssm_step_seconds[ssm]
+
+    @property
+    def pool_factor(self) -> float | None:
+        """A stacked pool's step over its slowest SSM's step (None when the pool is not stacked): what
+        drafting every SSM at once costs relative to the slowest of them alone."""
+        if self.pool_step_seconds is None:
+            return None
+        return self.pool_step_seconds / max(self.ssm_step_seconds)
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> None:

@@ -11,7 +11,9 @@ predictor's grid. A joint choice c = (c_1..c_k) is scored as
   the merged tree's match is at least the best SSM's, so max_i f_i is the estimate (a lower bound);
   the 1 is the token the LLM adds every step;
 - L_verify of the merged tree's size (an upper bound: merging shares prefixes) and the SSMs'
-  speculation times, which add up because the SSMs draft one after another on one device.
+  speculation times, which add up when the SSMs draft one after another; a pool stacked into one
+  model drafts every SSM in the same passes, so it costs the slowest launched SSM's time times the
+  profile's `pool_factor` (one stacked step over one SSM's step) instead.
 "No SSM" scores 1 / L_verify(1): plain decoding, so the scheduler never speculates where it
 expects to lose. The cost of every joint choice is precomputed once; per step the work is one
 MLP forward and an argmax over at most `max_joint_choices` choices. Pools too large to enumerate
@@ -85,7 +87,11 @@ class LearnedScheduler:
         if self.joint:
             choices = torch.tensor(list(itertools.product(range(len(self.options)), repeat=self.num_ssms)))
             tokens = 1 + size[choices].sum(-1)
-            seconds = torch.as_tensor(cost.verify_time(tokens.numpy())) + spec.gather(1, choices.T).sum(0)
+            drafting = spec.gather(1, choices.T)  # [S, C]
+            # A stacked pool drafts every SSM in the same passes: its slowest SSM's time, scaled.
+            factor = cost.pool_factor if self.drafter.stacked else None
+            drafting = drafting.sum(0) if factor is None else drafting.amax(0) * factor
+            seconds = torch.as_tensor(cost.verify_time(tokens.numpy())) + drafting
             self.choices = choices  # [C, S] option index per SSM
         else:
             seconds = torch.as_tensor(cost.verify_time((1 + size).numpy()))[None] + spec  # [S, O]

@@ -127,6 +127,7 @@ def test_profile_measures_every_configuration_on_tiny_models() -> None:
     assert cost.verify_tokens == [1, 4, 9] and all(t > 0 for t in cost.verify_seconds)
     assert [sorted(t) for t in cost.speculate_seconds] == [["1,1", "1,4", "2,1", "2,4"]] * 2
     assert cost.num_ssms == 2 and all(t > 0 for t in cost.ssm_step_seconds)
+    assert cost.pool_step_seconds > 0  # one architecture: the stacked pool's step is measured too
 
 
 # The choice -------------------------------------------------------------------------------------
@@ -231,3 +232,21 @@ def test_training_command_reports_missing_labels(tmp_path: Path, capsys) -> None
 
     assert main(["--labels", str(tmp_path / "none"), "--out", str(tmp_path / "predictor")]) == 2
     assert "make predictor-data" in capsys.readouterr().err
+
+
+def test_a_stacked_pool_costs_its_slowest_ssm_scaled_not_the_sum() -> None:
+    """With the profile's stacked step, launching two SSMs of a stacked pool costs max(L_spec) x
+    pool_factor; without it (or unstacked), the sum."""
+    ssms = [tiny_llama(layers=1, seed=1), tiny_llama(layers=1, seed=2)]  # one architecture: stacked
+    speculate = {"1,1": 0.1e-3, "1,4": 0.4e-3, "2,1": 0.2e-3, "2,4": 0.8e-3}
+    verify = [1e-3] * 5
+    predictor = constant_predictor([[[0.9, 3.5], [0.95, 3.6]], [[0.8, 3.0], [0.9, 3.2]]])
+    additive = LearnedScheduler(ssms, predictor, cost_table(2, verify, speculate))
+    stacked_cost = cost_table(2, verify, speculate)
+    stacked_cost.pool_step_seconds = 0.0015  # 1.5x one SSM's 1 ms step
+    stacked = LearnedScheduler(ssms, predictor, stacked_cost)
+    both = additive.options.index((1, 4)), stacked.options.index((2, 4))
+    choice = next(c for c, row in enumerate(additive.choices.tolist()) if tuple(row) == both)
+    assert additive.drafter.stacked and stacked_cost.pool_factor == pytest.approx(1.5)
+    assert additive.seconds[choice] == pytest.approx(1e-3 + 0.4e-3 + 0.8e-3)
+    assert stacked.seconds[choice] == pytest.approx(1e-3 + 1.5 * 0.8e-3)
