@@ -25,6 +25,7 @@ from specboost.decoder.strategies import StrategyInputs, StrategyOptions, make_s
 from specboost.decoder.validation import (
     check_causal_lm,
     check_generate_arguments,
+    check_same_device,
     check_same_vocabulary,
     check_shape,
     context_length,
@@ -114,6 +115,7 @@ class SpeculativeDecoder:
         ssms = list(ssms)
         for i, ssm in enumerate(ssms):
             check_causal_lm(ssm, f"SSM {i}")
+            check_same_device(llm, ssm, i)
             ssm_tok = ssm_tokenizers[i] if ssm_tokenizers else None
             check_same_vocabulary(llm, ssm, i, tokenizer, ssm_tok)
         if verification not in ("tree", "stairs"):

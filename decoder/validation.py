@@ -45,6 +45,15 @@ def check_causal_lm(model: object, role: str) -> None:
         raise NotImplementedError(f"the {role} {model_name(model)}: {error}") from None
 
 
+def check_same_device(llm: PreTrainedModel, ssm: PreTrainedModel, index: int) -> None:
+    """Drafts go straight into the LLM's verification pass: the SSMs must sit on the LLM's device."""
+    if ssm.device != llm.device:
+        raise ValueError(
+            f"SSM {index} is on {ssm.device} but the LLM on {llm.device}: move it there first "
+            f"(ssm.to({str(llm.device)!r}), or device={str(llm.device)!r} when loading)"
+        )
+
+
 def check_same_vocabulary(
     llm: PreTrainedModel,
     ssm: PreTrainedModel,

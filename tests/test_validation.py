@@ -71,6 +71,14 @@ def test_vocabulary_mismatch_reports_the_offending_ssm_of_a_pool() -> None:
         SpeculativeDecoder(llm(), [ssm(1), ssm(2), tiny_opt(layers=1, vocab=VOCAB + 1)])
 
 
+def test_ssms_on_another_device_than_the_llm_are_refused_with_the_fix() -> None:
+    llm, ssm = tiny_llama(layers=1), tiny_llama(layers=1, seed=1).to("meta")
+    with pytest.raises(
+        ValueError, match=r"SSM 0 is on meta but the LLM on cpu: move it there first \(ssm.to\('cpu'\)"
+    ):
+        SpeculativeDecoder(llm, [ssm])
+
+
 def test_tokenizer_mismatch() -> None:
     words = [f"w{i}" for i in range(VOCAB)]
     llm_tok = word_tokenizer(words)
