@@ -125,11 +125,14 @@ class TreeCache:
         self.pending = 0  # nodes fed since the last commit, in every row
         self._pending_positions: torch.Tensor | None = None  # [B_phys, pending]
         self.cache = FullStaticCache(self.num_layers, capacity)
+        # A stacked pool's rows are member blocks (`stack_pool`): padding rows would break them.
+        self.pad_rows = getattr(model, "stacked_members", 1) == 1
         self.physical_rows = self._physical(rows)
 
     def _physical(self, rows: int) -> int:
-        """Rows the cache tensors hold: padded to a power of two for a compiled model."""
-        return bucket(rows) if self.compiled is not None else max(1, rows)
+        """Rows the cache tensors hold: padded to a power of two for a compiled model (a stacked
+        pool's are not padded: it compiles a graph per number of rows)."""
+        return bucket(rows) if self.compiled is not None and self.pad_rows else max(1, rows)
 
     @property
     def rows(self) -> int:

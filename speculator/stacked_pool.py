@@ -177,6 +177,7 @@ def stack_pool(models: Sequence[PreTrainedModel]) -> PreTrainedModel:
             parent, _, attribute = name.rpartition(".")
             setattr(pooled.get_submodule(parent), attribute, stacked)
         check_stacked(pooled, models)
+    pooled.stacked_members = len(models)  # its caches' rows come in blocks of one per member
     return pooled
 
 

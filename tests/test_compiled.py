@@ -15,13 +15,18 @@ from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
 PROMPTS = [[3, 17, 42, 8, 8, 51, 23], [12, 5, 60]]
 
 
-def compiled_decoder() -> SpeculativeDecoder:
+def compiled_decoder(ssms: int = 1, **options: object) -> SpeculativeDecoder:
     llm = tiny_llama(layers=2, seed=0).float()
-    return SpeculativeDecoder(llm, [noisy_copy(llm, 0.1, seed=1)], shape=ChainShape(3), compile=True)
+    pool = [noisy_copy(llm, 0.1, seed=1 + i) for i in range(ssms)]
+    return SpeculativeDecoder(llm, pool, shape=ChainShape(3), compile=True, **options)
 
 
-def test_compiled_decoding_equals_generate() -> None:
-    dec = compiled_decoder()
+@pytest.mark.parametrize(
+    "pool", [dict(), dict(ssms=3), dict(ssms=3, strategy="majority")], ids=["chain", "pool", "majority"]
+)
+def test_compiled_decoding_equals_generate(pool: dict) -> None:
+    """One SSM, and a stacked pool of 3 (its rows are not padded: blocks of one row per SSM)."""
+    dec = compiled_decoder(**pool)
     llm = dec.llm
     assert dec.calls.enabled and dec.calls.get(llm) is not None
     for prompt in PROMPTS:
