@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 from specboost.decoder.batched import BatchedDecoder
-from specboost.decoder.bench import load_models, machine_info
+from specboost.decoder.bench import machine_info
 from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.engine import Engine, EngineConfig
 from specboost.speculator.beam_search import left_pad
+from specboost.speculator.loading import load_models
+from specboost.speculator.prompt_sets import bundled_source, load_prompt_splits
 from specboost.speculator.shapes import ChainShape
-from specboost.training.data import bundled_source, load_prompt_splits
 
 METHODS = ("plain", "batched", "engine_sequential", "engine_pipelined")
 

@@ -28,79 +28,17 @@ import transformers
 from transformers import (
     BatchEncoding,
     PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 
 from specboost.decoder.decoder import SpeculativeDecoder
-from specboost.speculator.loading import load_causal_lm, load_tokenizer, resolve_device
+from specboost.speculator.loading import DTYPES, LoadedModels, load_models
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 # Method families; those marked per-SSM run once with each single SSM ("chain[1]" = SSM 1 alone).
 PER_SSM_METHODS = ("hf_assisted", "chain", "stairs")
 POOL_METHODS = ("pool_chain", "pool_beam", "pool_topology")
 ALL_METHODS = ("plain", *PER_SSM_METHODS, *POOL_METHODS)
 DEFAULT_TOPOLOGY = ((2,), (2, 1), (1, 1, 1), (1, 1, 1))  # children counts per level: 11 nodes, depth 4
-
-
-# Loading --------------------------------------------------------------------------------------
-@dataclass
-class LoadedModels:
-    llm: PreTrainedModel
-    ssms: list[PreTrainedModel]
-    tokenizer: PreTrainedTokenizerBase
-    ssm_tokenizers: list[PreTrainedTokenizerBase | None]
-
-
-def check_model_path(path: str | Path) -> Path:
-    """A folder written by `save_pretrained`, or a FileNotFoundError that says what is missing."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        what = "config.json is missing" if path.is_dir() else "the folder does not exist"
-        raise FileNotFoundError(
-            f"no model found at {path} ({what}); give a folder written by save_pretrained, "
-            "e.g. one built by `python -m specboost.decoder.tiny_models --out DIR`"
-        )
-    return path
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any(
-        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
-
-
-def load_models(
-    llm_path: str | Path,
-    ssm_paths: list[str] | list[Path],
-    tokenizer_path: str | Path | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-) -> LoadedModels:
-    """Load the LLM, the SSMs and the tokenizer (from `tokenizer_path`, else the LLM folder) from disk."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if not ssm_paths:
-        raise ValueError("give at least one SSM")
-    llm_dir, ssm_dirs = check_model_path(llm_path), [check_model_path(p) for p in ssm_paths]
-    tok_dir = Path(tokenizer_path) if tokenizer_path is not None else llm_dir
-    if not _has_tokenizer(tok_dir):
-        raise FileNotFoundError(
-            f"no tokenizer found at {tok_dir}; pass the tokenizer's folder with --tokenizer"
-        )
-
-    target = resolve_device(device)  # before anything loads
-    return LoadedModels(
-        llm=load_causal_lm(llm_dir, DTYPES[dtype], target),
-        ssms=[load_causal_lm(p, DTYPES[dtype], target) for p in ssm_dirs],
-        tokenizer=load_tokenizer(tok_dir),
-        ssm_tokenizers=[load_tokenizer(p) if _has_tokenizer(p) else None for p in ssm_dirs],
-    )
 
 
 # Prompts --------------------------------------------------------------------------------------

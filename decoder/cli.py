@@ -18,15 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specboost.decoder.bench import (
-    ALL_METHODS,
-    DEFAULT_TOPOLOGY,
-    DTYPES,
-    BenchConfig,
-    check_model_path,
-    load_models,
-    run_bench,
-)
+from specboost.decoder.bench import ALL_METHODS, DEFAULT_TOPOLOGY, BenchConfig, run_bench
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
@@ -35,6 +27,7 @@ from specboost.decoder.suite_fixture import FIXTURES, build_fixture
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
 from specboost.speculator.length_control import CONTROLLERS
+from specboost.speculator.loading import DTYPES, check_model_path, load_models
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sequoia_acceptance import load_acceptance_file
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape

@@ -53,10 +53,10 @@ from specboost.speculator.beam_search import beam_match_lengths
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.prompt_sets import BUNDLED_PROMPT_SETS, bundled_source, load_prompt_splits
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest
-from specboost.training.data import BUNDLED_PROMPT_SETS, bundled_source, load_prompt_splits
 
 
 class OracleScheduler(LearnedScheduler):

@@ -55,9 +55,8 @@ from specboost.decoder.scheduler_eval import held_out_prompts
 from specboost.decoder.strategies import StrategyOptions
 from specboost.decoder.strategy_compare_plots import plot_lengths, plot_majority, plot_trees
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
-from specboost.speculator.sequoia_dp import chains_shape
+from specboost.speculator.sequoia_dp import chains_shape, tree_vs_chains
 from specboost.speculator.shapes import ChainShape
-from specboost.training.sequoia_trees import comparison
 
 
 @dataclass
@@ -295,7 +294,7 @@ def run(config: CompareConfig, out: Path) -> dict[str, Any]:
     method_list = list(methods.methods.values())
     records = measure(method_list, encoded, config.repeats, config.warmup, print)
     report = BenchReport(asdict(config), machine_info(config), summarise(method_list, records), records)
-    predicted = comparison(pool.acceptance[groups.ssm].marginal, config.sizes, config.chains, None)
+    predicted = tree_vs_chains(pool.acceptance[groups.ssm].marginal, config.sizes, config.chains, None)
     return write_results(report, groups, predicted, out)
 
 

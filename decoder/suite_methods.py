@@ -35,7 +35,6 @@ from transformers.generation import CompileConfig
 
 from specboost.decoder.batched import pad_token_id
 from specboost.decoder.bench import (
-    DTYPES,
     Decoding,
     ForwardCounter,
     Method,
@@ -51,7 +50,7 @@ from specboost.decoder.pool import SSMPool
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.strategies import STRATEGIES
 from specboost.decoder.suite_report import HF_ASSISTED, PLAIN, PLAIN_COMPILED, PLAIN_STATIC, row_stats
-from specboost.speculator.loading import load_causal_lm, load_tokenizer
+from specboost.speculator.loading import DTYPES, load_causal_lm, load_tokenizer
 from specboost.speculator.shapes import BeamShape, ChainShape
 
 # Strategies with their own rows below; every other name in STRATEGIES gets a row of its own.

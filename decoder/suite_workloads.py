@@ -2,7 +2,7 @@
 
 Two sources, one shape (`Workload`: a category and its prompts):
 - the bundled prompt sets (data/README.md), grouped by `CATEGORIES`; each set contributes its
-  seeded held-out split (`training.data.load_prompt_splits`), which distillation and boosting
+  seeded held-out split (`prompt_sets.load_prompt_splits`), which distillation and boosting
   never see, and a category takes its sets' prompts in turn (round robin);
 - a question file in Spec-Bench's JSONL format (`question_id`, `category`, `turns`; the first
   turn is the prompt), grouped by the file's own categories (`load_spec_bench`).
@@ -19,7 +19,7 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-from specboost.training.data import bundled_source, load_prompt_splits, tokenize_prompts
+from specboost.speculator.prompt_sets import bundled_source, load_prompt_splits, tokenize_prompts
 
 # Category -> bundled prompt sets (data/prompts/). eagle_sum (long articles) is left out: its
 # prompts would not fit the reference LLM's 256-token context beside the generated tokens.

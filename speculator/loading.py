@@ -1,5 +1,6 @@
 """Loading models, tokenizers and configs by folder or hub id, and choosing a device, with errors
-that say what to do (a `ValueError` subclass, which every command reports as `error: ...`, exit 2).
+that say what to do (a `ValueError` subclass, which every command reports as `error: ...`, exit 2);
+`load_models` loads an LLM and its SSMs from `save_pretrained` folders in one call.
 
 Every command of the project loads through here, so a bare name that is no folder and cannot
 be fetched, a truncated or corrupt checkpoint, an unknown device or a device this torch build
@@ -9,6 +10,7 @@ cannot use all end in one clear line instead of a traceback.
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,13 @@ from transformers import (
 )
 
 from specboost.speculator.model_info import check_model_location
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 class LoadError(ValueError):
@@ -95,3 +104,56 @@ def load_tokenizer(location: str | Path) -> PreTrainedTokenizerBase:
 
 def load_config(location: str | Path) -> PretrainedConfig:
     return _fetch("model config", location, AutoConfig.from_pretrained)
+
+
+def check_model_path(path: str | Path) -> Path:
+    """A folder written by `save_pretrained`, or a FileNotFoundError that says what is missing."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        what = "config.json is missing" if path.is_dir() else "the folder does not exist"
+        raise FileNotFoundError(
+            f"no model found at {path} ({what}); give a folder written by save_pretrained, "
+            "e.g. one built by `python -m specboost.decoder.tiny_models --out DIR`"
+        )
+    return path
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any(
+        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+
+
+@dataclass
+class LoadedModels:
+    llm: PreTrainedModel
+    ssms: list[PreTrainedModel]
+    tokenizer: PreTrainedTokenizerBase
+    ssm_tokenizers: list[PreTrainedTokenizerBase | None]  # each SSM folder's own, where it has one
+
+
+def load_models(
+    llm_path: str | Path,
+    ssm_paths: list[str] | list[Path],
+    tokenizer_path: str | Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> LoadedModels:
+    """Load the LLM, the SSMs and the tokenizer (from `tokenizer_path`, else the LLM folder) from disk."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not ssm_paths:
+        raise ValueError("give at least one SSM")
+    llm_dir, ssm_dirs = check_model_path(llm_path), [check_model_path(p) for p in ssm_paths]
+    tok_dir = Path(tokenizer_path) if tokenizer_path is not None else llm_dir
+    if not has_tokenizer(tok_dir):
+        raise FileNotFoundError(
+            f"no tokenizer found at {tok_dir}; pass the tokenizer's folder with --tokenizer"
+        )
+    target = resolve_device(device)  # before anything loads
+    return LoadedModels(
+        llm=load_causal_lm(llm_dir, DTYPES[dtype], target),
+        ssms=[load_causal_lm(p, DTYPES[dtype], target) for p in ssm_dirs],
+        tokenizer=load_tokenizer(tok_dir),
+        ssm_tokenizers=[load_tokenizer(p) if has_tokenizer(p) else None for p in ssm_dirs],
+    )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +185,26 @@ def chains_shape(nodes: int, chains: int) -> TopologyShape:
                 parents.append(tips[i])
                 tips[i] = len(parents) - 1
     return TopologyShape(tuple(parents))
+
+
+def tree_vs_chains(
+    weights: Weights, sizes: Sequence[int], chains: Sequence[int], max_depth: int | None
+) -> list[dict]:
+    """Per size n: the Sequoia tree's predicted tokens per step (its depth and parents too) and
+    those of k chains of n nodes (k = 1 and every k of `chains` below n), under `weights`."""
+    rows = []
+    for n in sizes:
+        tree = optimal_tree(weights, n, max_depth)
+        rows.append(
+            {
+                "nodes": n,
+                "sequoia": tree.expected_tokens,
+                "sequoia_depth": tree.depth,
+                "chains": {k: expected_tokens(chains_shape(n, k), weights) for k in (1, *chains) if k < n},
+                "parents": list(tree.shape.parents),
+            }
+        )
+    return rows
 
 
 def _check_weights(weights: Weights) -> None:

@@ -17,7 +17,7 @@ from specboost.decoder.suite_workloads import (
     load_spec_bench,
 )
 from specboost.decoder.tiny_models import build_tiny_models
-from specboost.training.data import BUNDLED_PROMPTS_DIR, bundled_source, load_prompt_splits
+from specboost.speculator.prompt_sets import BUNDLED_PROMPTS_DIR, bundled_source, load_prompt_splits
 
 
 def write_jsonl(path: Path, records: list[object]) -> Path:

@@ -57,7 +57,7 @@ from specboost.decoder.pool import SSMPool
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.model_info import context_length
 from specboost.speculator.padding import left_pad
-from specboost.training.data import (
+from specboost.speculator.prompt_sets import (
     BUNDLED_PROMPT_SETS,
     PromptSource,
     bundled_source,

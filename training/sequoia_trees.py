@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specboost.decoder.bench import load_models
 from specboost.decoder.decoder import SpeculativeDecoder
+from specboost.speculator.loading import load_models
 from specboost.speculator.sampling import SamplingConfig
 from specboost.speculator.sequoia import SequoiaSpeculator
 from specboost.speculator.sequoia_acceptance import AcceptanceVector, save_acceptance_file
-from specboost.speculator.sequoia_dp import chains_shape, expected_tokens, optimal_tree
+from specboost.speculator.sequoia_dp import tree_vs_chains
 from specboost.training.sequoia_acceptance import Sample, distilled_samples, estimate_acceptance
 
 
@@ -36,25 +36,6 @@ def table_sizes(max_nodes: int) -> list[int]:
     """2, 4, 8, ... up to max_nodes, and max_nodes itself."""
     sizes = [n for n in (2**i for i in range(1, max_nodes.bit_length())) if n < max_nodes]
     return [*sizes, max_nodes]
-
-
-def comparison(
-    weights: tuple[float, ...], sizes: Sequence[int], chains: Sequence[int], max_depth: int | None
-) -> list[dict]:
-    """Per size n: the Sequoia tree (value, depth, parents) and k chains of n nodes (k = 1 too)."""
-    rows = []
-    for n in sizes:
-        tree = optimal_tree(weights, n, max_depth)
-        rows.append(
-            {
-                "nodes": n,
-                "sequoia": tree.expected_tokens,
-                "sequoia_depth": tree.depth,
-                "chains": {k: expected_tokens(chains_shape(n, k), weights) for k in (1, *chains) if k < n},
-                "parents": list(tree.shape.parents),
-            }
-        )
-    return rows
 
 
 def measure(
@@ -152,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             simulations=args.simulations,
             seed=args.seed,
         )
-        rows = comparison(acceptance.marginal, table_sizes(args.max_nodes), args.chains, args.max_depth)
+        rows = tree_vs_chains(acceptance.marginal, table_sizes(args.max_nodes), args.chains, args.max_depth)
         for row in rows if args.decode else ():
             row["measured"] = measure(
                 models.llm, ssm, acceptance, samples[: args.decode], row["nodes"], args.max_depth

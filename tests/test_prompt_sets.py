@@ -15,8 +15,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from specboost.training import data
-from specboost.training.data import (
+from specboost.speculator import prompt_sets as data
+from specboost.speculator.prompt_sets import (
     BUNDLED_PROMPT_SETS,
     PromptSource,
     bundled_source,
