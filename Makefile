@@ -75,25 +75,27 @@ format: $(STAMP)
 example: $(STAMP)
 	$(BIN)/python -m specboost.decoder.example
 
-# Greedy bench: plain generate vs HF assisted vs our modes; table on stdout, JSON in artifacts/.
+# Greedy bench on one prompt file: plain generate vs HF assisted vs our modes; report on stdout,
+# report.md, bench.json and plots in artifacts/bench-decoder.
 bench-decoder: $(STAMP)
 	$(BIN)/python -m specboost.decoder.tiny_models --preset bench --out $(ARTIFACTS)/bench-models
 	$(BIN)/specboost bench --llm $(LLM) --ssm $(SSMS) --prompts $(PROMPTS) $(BENCH_FLAGS) \
 		--out $(ARTIFACTS)/bench-decoder
 
-# Benchmark suite: builds (or reuses) the fixture in ARTIFACTS/bench-fixture/<fixture> (reference LLM,
-# distilled data, boosted pool, predictor, hardware profile, Sequoia acceptance, export), then runs
-# every method on the bundled held-out workloads; report.md, suite.json and plots go to
-# ARTIFACTS/bench-suite/<fixture>. SUITE=quick: the tiny fixture (minutes); FIXTURE=tiny|small
-# overrides the suite's fixture; SUITE_FLAGS="--readme README.md" also fills the README's results.
+# Benchmark suite: training/bench_fixture.py builds (or reuses) the fixture in
+# ARTIFACTS/bench-fixture/<fixture> (reference LLM, distilled data, boosted pool, predictor, hardware
+# profile, Sequoia acceptance, export), then `specboost bench --suite` runs every method on the
+# bundled held-out workloads; report.md, suite.json and plots go to ARTIFACTS/bench-suite/<fixture>.
+# SUITE=quick: the tiny fixture (minutes); FIXTURE=tiny|small overrides the suite's fixture;
+# SUITE_FLAGS="--readme README.md" also fills the README's results ("--build-threads N": training threads).
 SUITE ?= default
 FIXTURE ?=
 SUITE_FLAGS ?=
 .PHONY: bench
 
 bench: $(STAMP)
-	$(BIN)/specboost bench --suite $(SUITE) --artifacts $(ARTIFACTS) $(if $(FIXTURE),--fixture $(FIXTURE)) \
-		$(SUITE_FLAGS)
+	$(BIN)/python -m specboost.training.bench_fixture --suite $(SUITE) --artifacts $(ARTIFACTS) \
+		$(if $(FIXTURE),--fixture $(FIXTURE)) $(SUITE_FLAGS)
 
 # Tokenizer + Llama trained on data/corpus; reruns resume from OUT/checkpoints or skip a finished run.
 reference-llm: $(STAMP)
@@ -128,7 +130,7 @@ profile: $(STAMP)
 # Learned scheduler vs every fixed beam shape vs the oracle, on held-out prompts (exports the pool first).
 scheduler-eval: $(STAMP)
 	$(MAKE) export EXPORT_BOOST=$(SCHED_POOL)
-	$(BIN)/python -m specboost.decoder.scheduler_eval --llm $(SCHED_LLM) --pool $(EXPORT_OUT) \
+	$(BIN)/specboost bench --suite scheduler --llm $(SCHED_LLM) --pool $(EXPORT_OUT) \
 		--prompts $(SCHED_PROMPTS) $(SCHED_EVAL_FLAGS) --out $(ARTIFACTS)/scheduler-eval
 
 # Sequoia (ALGORITHMS.md 8): every SSM's positional acceptance vector on the boost run's held-out
@@ -146,7 +148,7 @@ sequoia-acceptance: $(STAMP)
 strategy-compare: $(STAMP)
 	test -f $(BOOST_OUT)/sequoia_acceptance.json || $(MAKE) sequoia-acceptance
 	$(MAKE) export EXPORT_BOOST=$(BOOST_OUT)
-	$(BIN)/python -m specboost.decoder.strategy_compare --llm $(BOOST_LLM) --pool $(EXPORT_OUT) \
+	$(BIN)/specboost bench --suite strategies --llm $(BOOST_LLM) --pool $(EXPORT_OUT) \
 		$(STRATEGY_COMPARE_FLAGS) --out $(ARTIFACTS)/strategy-compare
 
 # Batched decoding (BASS) and the serving engine with and without pipelining (Minions) vs plain
@@ -156,7 +158,7 @@ BATCH_BENCH_FLAGS ?= --llm $(ARTIFACTS)/reference-llm/tiny/model --ssm $(ARTIFAC
 .PHONY: bench-batched
 
 bench-batched: $(STAMP)
-	$(BIN)/python -m specboost.decoder.batch_bench $(BATCH_BENCH_FLAGS) --out $(ARTIFACTS)/batch-bench
+	$(BIN)/specboost bench --suite batched $(BATCH_BENCH_FLAGS) --out $(ARTIFACTS)/batch-bench
 
 # From a fresh clone, nothing downloaded: reference LLM (tiny) -> distill -> boost -> export ->
 # tokens/step and speedup of the pool vs the LLM alone (and HF assisted generation).

@@ -4,6 +4,7 @@
         --ssm artifacts/tiny-models/ssm-0 artifacts/tiny-models/ssm-1 --prompt "Once upon a time"
     specboost profile --llm PATH --ssm PATH [PATH ...] --out POOL_DIR/hardware_profile.json
     specboost bench --llm PATH --ssm PATH [PATH ...] --prompts data/prompts/bench_prompts.txt --out DIR
+    specboost bench --suite default|quick|batched|strategies|scheduler|FILE [options]
 
 Models and tokenizers are loaded from folders written by `save_pretrained`; nothing is downloaded.
 """
@@ -13,17 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specboost.decoder.bench import ALL_METHODS, DEFAULT_TOPOLOGY, BenchConfig, run_bench
+from specboost.decoder.bench.configurations import FILE_BENCH, FILE_BENCH_OPTIONS, SUITES, resolve_suite
+from specboost.decoder.bench.protocol import Protocol
+from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
-from specboost.decoder.suite import SUITES, markdown_report, resolve_suite, run_and_write
-from specboost.decoder.suite_fixture import FIXTURES, build_fixture
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
 from specboost.speculator.length_control import CONTROLLERS
@@ -32,6 +32,7 @@ from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sequoia_acceptance import load_acceptance_file
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 
+DEFAULT_TOPOLOGY = Shapes().topology_children
 _TOPOLOGY_TEXT = json.dumps([list(level) for level in DEFAULT_TOPOLOGY])
 
 
@@ -236,20 +237,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="compare our modes with plain and HF assisted generation on a prompt file (greedy), or run "
-        "the benchmark suite (--suite)",
+        help="measure: our modes against plain and HF assisted generation on a prompt file (greedy), or a "
+        "configuration of the harness (--suite): the benchmark suite, batched decoding, the strategies, the "
+        "learned scheduler",
     )
-    # Unset options stay None: the plain bench takes BenchConfig's defaults, the suite its own settings.
+    # Unset options stay None: each configuration keeps its own settings where none is given.
     _add_model_options(bench, required=False, defaults=False)
     bench.add_argument(
-        "--prompts", type=Path, metavar="FILE", help=".txt (one prompt per line) or .jsonl file"
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help=".txt (one prompt per line) or .jsonl file (strategies, scheduler: or a bundled set's name)",
     )
     bench.add_argument(
         "--out",
         type=Path,
         metavar="DIR",
-        help="folder to write bench.json into (with --suite: the report folder, default "
-        "ARTIFACTS/bench-suite/<fixture, or the --llm folder's name>)",
+        help="folder for the report (default with --suite: ARTIFACTS/bench-suite/<fixture, or the --llm "
+        "folder's name>, ARTIFACTS/batch-bench, ARTIFACTS/strategy-compare, ARTIFACTS/scheduler-eval)",
     )
     _add_suite_options(bench)
     bench.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens per prompt (default: 64)")
@@ -261,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--methods",
         nargs="+",
-        choices=ALL_METHODS,
+        choices=BENCH_METHODS,
         metavar="METHOD",
-        help=f"method families to run, from {', '.join(ALL_METHODS)}; plain always runs (default: all)",
+        help=f"method families to run, from {', '.join(BENCH_METHODS)}; plain always runs (default: all)",
     )
     bench.add_argument(
         "--chain-length",
@@ -275,31 +280,42 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--beam-depth", type=int, metavar="D", help="beam depth for pool_beam (default: 4)")
     _add_topology_option(bench, "pool_topology", defaults=False)
     bench.add_argument(
-        "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default)"
+        "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default; suites: 1)"
+    )
+    batched = bench.add_argument_group("--suite batched")
+    batched.add_argument(
+        "--prompt-sets", nargs="+", metavar="NAME", help="bundled sets whose held-out prompts mix"
+    )
+    batched.add_argument(
+        "--num-prompts", type=int, metavar="N", help="prompts submitted at once (default: 32)"
+    )
+    batched.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="(default: 1 2 4 8 16)")
+    batched.add_argument("--num-groups", type=int, metavar="N", help="engine groups in flight (default: 2)")
+    bench.add_argument_group("--suite scheduler").add_argument(
+        "--force-profile", action="store_true", help="use a hardware profile measured on other hardware"
     )
     return parser
 
 
 def _add_suite_options(bench: argparse.ArgumentParser) -> None:
     suite = bench.add_argument_group(
-        "benchmark suite",
-        "--suite runs every method on its fixture's models, or on --llm with --pool. --max-new-tokens, "
-        "--repeats, --warmup, --threads, --dtype, --device, --chain-length, --beam-width and --beam-depth "
-        "override the suite's settings; --ssm, --tokenizer, --prompts, --max-prompts, --methods and "
-        "--topology-children are refused.",
+        "configurations",
+        "--suite runs a configuration: the suite (default, quick, or a JSON file of SuiteConfig settings) on "
+        "its fixture's models, or on --llm with --pool; batched (--llm, --ssm); strategies and scheduler "
+        "(--llm, --pool; strategies: --ssm I names the SSM of its trees and lengths). The options given "
+        "override the configuration's settings; one it does not take is refused.",
     )
     suite.add_argument(
         "--suite",
         metavar="NAME|FILE",
-        help=f"run the benchmark suite: {' or '.join(SUITES)} (make bench), or a JSON file of SuiteConfig "
-        "settings",
+        help=f"run a configuration: {', '.join(SUITES)}, or a JSON file of SuiteConfig settings",
     )
-    suite.add_argument("--fixture", choices=sorted(FIXTURES), help="override the suite's fixture")
+    suite.add_argument("--fixture", metavar="NAME", help="override the suite's fixture (tiny, small)")
     suite.add_argument(
         "--pool",
         metavar="FOLDER|ID",
-        help="with --llm: benchmark that LLM and this pool exported for it (make export) instead of the "
-        "fixture; the learned scheduler and Sequoia run when the pool ships their files",
+        help="with --llm: an exported pool for that LLM (make export); the suite runs on them instead of "
+        "the fixture; the learned scheduler and Sequoia run when the pool ships their files",
     )
     suite.add_argument(
         "--spec-bench", type=Path, metavar="FILE", help="a Spec-Bench question file (JSONL) as the workloads"
@@ -310,9 +326,7 @@ def _add_suite_options(bench: argparse.ArgumentParser) -> None:
     suite.add_argument(
         "--readme", type=Path, metavar="FILE", help="also fill this README's '## Benchmark results' section"
     )
-    suite.add_argument(
-        "--dry-run", action="store_true", help="list the fixture steps that would run; run nothing"
-    )
+    suite.add_argument("--dry-run", action="store_true", help="say which models the suite would run on")
 
 
 # generate ---------------------------------------------------------------------------------------
@@ -414,106 +428,75 @@ def profile_command(args: argparse.Namespace) -> int:
 
 
 # bench ------------------------------------------------------------------------------------------
-def bench(args: argparse.Namespace) -> int:
-    if args.suite is not None:
-        return bench_suite(args)
-    options = ("max_new_tokens", "repeats", "warmup", *SHAPE_OPTIONS, "topology_children", "dtype", "device")
-    config = BenchConfig(
-        llm=args.llm,
-        ssms=args.ssms,
-        prompts=args.prompts,
-        out=args.out,
-        tokenizer=args.tokenizer,
-        max_prompts=args.max_prompts,
-        threads=args.threads,
-        **({"methods": tuple(args.methods)} if args.methods else {}),
-        **_given(args, options),
-    )
-    report = run_bench(config, log=lambda line: print(line, file=sys.stderr))
-    m = report.machine
-    print(f"{m['cpu']}; torch threads: {m['torch_threads']}; {m['dtype']} on {m['device']}")
-    print(f"{len(report.records)} timed runs; wall time = median over repeats, summed over prompts\n")
-    print(report.table())
-    for s in report.summary:
-        print(f"  {s.method}: {s.description}")
-    print(f"\nwrote {config.out / 'bench.json'}")
-    if not report.all_identical:
-        differing = [s.method for s in report.summary if not s.identical_to_plain]
-        print(f"error: greedy output differs from plain llm.generate for {differing}", file=sys.stderr)
-        return 1
-    return 0
+RUN_OPTIONS = ("readme", "dry_run")  # how a suite runs, not what it measures
+GENERAL = ("command", "suite", "out", "artifacts")
 
 
-def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, object]:
-    """The options of `names` that were given on the command line (unset ones are None)."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+def _flag(dest: str) -> str:
+    return "--ssm" if dest == "ssms" else "--" + dest.replace("_", "-")
 
 
-# bench's options that --suite maps onto its settings (SuiteConfig fields, Shapes fields) or refuses
-SUITE_OPTIONS = ("max_new_tokens", "repeats", "warmup", "threads", "dtype", "device")
-SHAPE_OPTIONS = ("chain_length", "beam_width", "beam_depth")
-NOT_WITH_SUITE = {
-    "ssms": "--ssm",
-    "tokenizer": "--tokenizer",
-    "prompts": "--prompts",
-    "max_prompts": "--max-prompts",
-    "methods": "--methods",
-    "topology_children": "--topology-children",
-}
+def _given(args: argparse.Namespace) -> dict[str, object]:
+    """The bench options given on the command line (unset ones are None or False), paths as text."""
+    given = {}
+    for dest, value in vars(args).items():
+        if dest in GENERAL or value is None or value is False:
+            continue
+        if isinstance(value, list):
+            value = tuple(str(v) if isinstance(v, Path) else v for v in value)
+        given[dest] = str(value) if isinstance(value, Path) and dest not in RUN_OPTIONS else value
+    return given
 
 
-def suite_usage_error(args: argparse.Namespace) -> str | None:
+def bench_usage_error(args: argparse.Namespace) -> str | None:
     """What is wrong with this combination of bench options, or None."""
+    given = _given(args)
     if args.suite is None:
         if args.pool is not None:
             return "--pool is a benchmark-suite option: add --suite NAME|FILE, or give SSM folders with --ssm"
         options = {"llm": "--llm", "ssms": "--ssm", "prompts": "--prompts", "out": "--out"}
         missing = [option for name, option in options.items() if getattr(args, name) is None]
-        return f"bench needs {', '.join(missing)} (or --suite)" if missing else None
-    refused = [option for name, option in NOT_WITH_SUITE.items() if getattr(args, name) is not None]
+        if missing:
+            return f"bench needs {', '.join(missing)} (or --suite)"
+        refused = [_flag(dest) for dest in given if dest not in FILE_BENCH_OPTIONS]
+        return f"{', '.join(refused)} need --suite" if refused else None
+    takes = SUITES[args.suite].options if args.suite in SUITES else SuiteConfig.options
+    refused = [_flag(dest) for dest in given if dest not in takes]
     if refused:
-        return (
-            f"{', '.join(refused)} cannot be used with --suite: the suite runs every method on its "
-            "workloads (give questions with --spec-bench FILE, other settings in a suite JSON file), "
-            "and its pool is an exported one (--pool)"
+        return f"{', '.join(refused)} cannot be used with --suite {args.suite}: it takes " + ", ".join(
+            _flag(dest) for dest in takes
         )
-    if (args.llm is None) != (args.pool is None):
-        return "--suite with your own models needs both --llm and --pool (a pool exported for that LLM)"
-    if args.llm is not None and args.fixture is not None:
-        return "--fixture and --llm/--pool both choose the suite's models: give one of them"
+    if isinstance(SUITES.get(args.suite, SuiteConfig()), SuiteConfig):
+        if (args.llm is None) != (args.pool is None):
+            return "--suite with your own models needs both --llm and --pool (a pool exported for that LLM)"
+        if args.llm is not None and args.fixture is not None:
+            return "--fixture and --llm/--pool both choose the suite's models: give one of them"
     return None
 
 
-def bench_suite(args: argparse.Namespace) -> int:
-    config = resolve_suite(args.suite)
-    config = replace(
-        config,
-        fixture=args.fixture or config.fixture,
-        spec_bench=str(args.spec_bench) if args.spec_bench else config.spec_bench,
-        shapes=replace(config.shapes, **_given(args, SHAPE_OPTIONS)),
-        **_given(args, SUITE_OPTIONS),
-        **({"llm": str(args.llm), "pool": args.pool} if args.llm is not None else {}),
-    )
+def bench_config(args: argparse.Namespace) -> Protocol:
+    """The configuration `bench` runs, with the options given over its settings."""
+    settings = {k: v for k, v in _given(args).items() if k not in RUN_OPTIONS}
+    if args.suite is None:
+        return SuiteConfig(**FILE_BENCH, prompts=settings.pop("prompts")).with_options(**settings)
+    return resolve_suite(args.suite).with_options(**settings)
+
+
+def bench(args: argparse.Namespace) -> int:
+    config = bench_config(args)
     if args.dry_run:
         if config.llm is not None:
             print(f"no fixture to build: the suite would run on {config.llm} with the pool {config.pool}")
         else:
-            build_fixture(config.fixture, args.artifacts, config.threads, dry_run=True)
+            paths = read_fixture(args.artifacts, config.fixture)["paths"]
+            print(f"the suite would run on the fixture {config.fixture}: {paths['llm']}, {paths['export']}")
         return 0
-    out = args.out or args.artifacts / "bench-suite" / config.name
-    report = run_and_write(
-        config, out, args.artifacts, args.readme, log=lambda line: print(line, file=sys.stderr)
-    )
-    print(markdown_report(report))
+    out = args.out or args.artifacts / config.folder()
+    report = config.run(log=lambda line: print(line, file=sys.stderr), artifacts=args.artifacts)
+    print(config.write(report, out, args.readme))
     print(f"wrote {out}")
-    differing = [
-        row.method for table in report.tables() for row in table.rows if row.identical_to_plain is False
-    ]
-    if differing:
-        print(
-            f"error: greedy output differs from plain llm.generate for {sorted(set(differing))}",
-            file=sys.stderr,
-        )
+    if differing := report.differing():
+        print(f"error: greedy output differs from plain llm.generate for {differing}", file=sys.stderr)
         return 1
     return 0
 
@@ -521,10 +504,11 @@ def bench_suite(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench" and (problem := suite_usage_error(args)) is not None:
+    if args.command == "bench" and (problem := bench_usage_error(args)) is not None:
         parser.error(problem)
     try:
-        models = [] if args.llm is None else [args.llm, *(args.ssms or [])]  # --suite: no --ssm
+        ssms = [] if getattr(args, "suite", None) == "strategies" else args.ssms or []  # there: an index
+        models = [] if args.llm is None else [args.llm, *ssms]
         for path in models:  # fail fast, before anything loads
             check_model_path(path)
         commands = {"generate": generate, "profile": profile_command, "bench": bench}

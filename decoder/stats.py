@@ -58,6 +58,26 @@ class DecodeStats:
         return out
 
 
+def merged_stats(rows: Sequence[DecodeStats], numbers: Sequence[int] | None = None) -> DecodeStats:
+    """Several sequences' statistics as one: counts and phase times summed (the rows of a batch
+    each carry the batch's wall time, so the shares stay the batch's), every row's match lengths;
+    SSM i counted as SSM `numbers[i]` when given."""
+    total = DecodeStats()
+    for s in rows:
+        for name in ("llm_steps", "new_tokens", "draft_tokens", "draft_levels", "accepted_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for name in ("time_draft", "time_verify", "time_other", "time_total"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for counts, merged in (
+            (s.proposed_per_ssm, total.proposed_per_ssm),
+            (s.accepted_per_ssm, total.accepted_per_ssm),
+        ):
+            for i, n in counts.items():
+                merged[numbers[i] if numbers else i] += n
+        total.match_lengths += s.match_lengths
+    return total
+
+
 def per_token_latency(latencies: Sequence[float], new_tokens: Sequence[int]) -> dict[str, float]:
     """BASS's per-token latency of a batch (ALGORITHMS.md section 11): each sequence's latency
     (seconds to its last token) / its new tokens, for the sequence that finishes first, the one

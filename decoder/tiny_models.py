@@ -1,4 +1,4 @@
-"""Tiny stand-in models for the example, the CLI tests and the decoder bench.
+"""Tiny stand-in models for the example, the CLI tests and the single-file bench (`make bench-decoder`).
 
     python -m specboost.decoder.tiny_models --out artifacts/tiny-models [--seed 0] [--force]
 
@@ -135,7 +135,7 @@ def build_ssm(llm: LlamaForCausalLM, layers: int, noise_std: float, seed: int) -
 PRESETS = {
     # tests and the README example: builds in well under a second
     "tiny": TinyModelsConfig(),
-    # the decoder bench: an LLM big enough that one of its passes costs several SSM passes
+    # the single-file bench: an LLM big enough that one of its passes costs several SSM passes
     "bench": TinyModelsConfig(
         hidden_size=512,
         intermediate_size=1536,

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_llama
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, SSMPool, TopologyShape
-from specboost.decoder.bench import load_prompts
+from specboost.decoder.bench.workloads import read_prompt_file
 from specboost.decoder.cli import main
 from specboost.decoder.tiny_models import build_tiny_models
 from specboost.speculator.loading import LoadError, load_causal_lm, resolve_device
@@ -128,7 +128,7 @@ def test_a_malformed_prompt_line_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
     with pytest.raises(ValueError, match=rf"{path}:2: not valid JSON"):
-        load_prompts(path)
+        read_prompt_file(path)
     path.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=rf"{path}:2: a JSONL prompt must be an object"):
-        load_prompts(path)
+        read_prompt_file(path)

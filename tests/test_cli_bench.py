@@ -15,7 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specboost.decoder import example
-from specboost.decoder.bench import BenchConfig, load_prompts, run_bench
+from specboost.decoder.bench.configurations import FILE_BENCH
+from specboost.decoder.bench.suite import SuiteConfig
+from specboost.decoder.bench.workloads import read_prompt_file
 from specboost.decoder.cli import main
 from specboost.decoder.tiny_models import TinyModelsConfig, build_tiny_models
 
@@ -138,20 +140,21 @@ def test_run_bench_compares_all_methods_and_writes_json(models_dir: Path, tmp_pa
     llm_path, ssm_paths = _paths(models_dir)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nWhat is the capital of France?\n")
-    config = BenchConfig(
-        llm=Path(llm_path),
-        ssms=[Path(p) for p in ssm_paths],
-        prompts=prompts,
-        out=tmp_path / "bench",
+    config = SuiteConfig(
+        **FILE_BENCH,
+        llm=llm_path,
+        ssms=tuple(ssm_paths),
+        prompts=str(prompts),
         max_new_tokens=10,
         repeats=1,
         warmup=0,
-        threads=1,
     )
-    report = run_bench(config)
+    report = config.run(log=lambda _: None)
+    text = config.write(report, tmp_path / "bench")
     data = json.loads((tmp_path / "bench" / "bench.json").read_text())
 
-    methods = {r["method"] for r in data["records"]}
+    records = [r for run in data["runs"] for r in run["records"]]
+    methods = {r["method"] for r in records}
     assert methods == {
         "plain",
         "hf_assisted[0]",
@@ -164,17 +167,19 @@ def test_run_bench_compares_all_methods_and_writes_json(models_dir: Path, tmp_pa
         "pool_beam",
         "pool_topology",
     }
-    assert len(data["records"]) == len(methods) * 2  # 2 prompts x 1 repeat
-    assert all(r["identical_to_plain"] and r["new_tokens"] == 10 for r in data["records"])
-    assert report.all_identical
-    summary = {s["method"]: s for s in data["summary"]}
-    assert summary["plain"]["tokens_per_step"] == 1.0 and summary["plain"]["speedup_vs_plain"] == 1.0
+    assert len(records) == len(methods) * 2  # 2 prompts x 1 repeat
+    assert all(r["identical"] and r["new_tokens"] == 10 for r in records)
+    assert not report.differing()
+    summary = {s["method"]: s for s in data["tables"][0]["rows"]}
+    assert (
+        summary["plain"]["tokens_per_step"] == 1.0 and summary["plain"]["speedup_vs_plain"]["median"] == 1.0
+    )
     assert summary["pool_chain"]["acceptance_rate"] is not None
     assert set(summary["pool_chain"]["acceptance_rate_per_ssm"]) == {"0", "1"}
     assert set(summary["chain[1]"]["acceptance_rate_per_ssm"]) == {"1"}  # the bench's SSM numbering
     assert summary["hf_assisted[0]"]["acceptance_rate"] is None
     assert data["machine"]["torch_threads"] == 1 and data["machine"]["dtype"] == "float32"
-    assert "tokens/step" in report.table() and "pool_topology" in report.table()
+    assert "tokens/step" in text and "pool_topology" in text
 
 
 def test_bench_cli_prints_the_table(
@@ -209,48 +214,48 @@ def test_bench_cli_prints_the_table(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "vs plain" in out and "vs HF assisted" in out
-    assert re.search(r"^chain\[1\]\s+[\d.]+\s+[\d.]+", out, re.MULTILINE)
+    assert re.search(r"^\| \d+ \| `chain\[1\]` \| [\d.]+ \| [\d.]+", out, re.MULTILINE)
     assert (tmp_path / "bench.json").is_file()
 
 
 def test_bench_config_rejects_unknown_methods(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown bench methods"):
-        BenchConfig(llm=tmp_path, ssms=[tmp_path], prompts=tmp_path, methods=("plain", "medusa"))
+        SuiteConfig(**FILE_BENCH | {"methods": ("plain", "medusa")}, llm="x", ssms=("y",), prompts="p.txt")
 
 
 # Prompt files -----------------------------------------------------------------------------------
-def test_load_prompts_from_text_one_per_line(tmp_path: Path) -> None:
+def test_read_prompt_file_from_text_one_per_line(tmp_path: Path) -> None:
     path = tmp_path / "p.txt"
     path.write_text("First prompt\n\n  Second prompt, with spaces  \n")
-    assert load_prompts(path) == ["First prompt", "  Second prompt, with spaces  "]
+    assert read_prompt_file(path) == ["First prompt", "  Second prompt, with spaces  "]
 
 
-def test_load_prompts_from_jsonl_turns_and_prompt_fields(tmp_path: Path) -> None:
+def test_read_prompt_file_from_jsonl_turns_and_prompt_fields(tmp_path: Path) -> None:
     path = tmp_path / "q.jsonl"
     records = [
         {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},  # Spec-Bench
         {"prompt": "Plain prompt"},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert load_prompts(path) == ["Write a poem.", "Plain prompt"]
+    assert read_prompt_file(path) == ["Write a poem.", "Plain prompt"]
 
 
-def test_load_prompts_errors(tmp_path: Path) -> None:
+def test_read_prompt_file_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match=r'bad.jsonl:1: a JSONL prompt needs a "prompt"'):
-        load_prompts(bad)
+        read_prompt_file(bad)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     with pytest.raises(ValueError, match="no prompts"):
-        load_prompts(empty)
+        read_prompt_file(empty)
     with pytest.raises(FileNotFoundError, match="no prompt file"):
-        load_prompts(tmp_path / "missing.txt")
+        read_prompt_file(tmp_path / "missing.txt")
 
 
 def test_bundled_bench_prompts_load() -> None:
     path = README.parent / "data" / "prompts" / "bench_prompts.txt"
-    assert 16 <= len(load_prompts(path)) <= 24
+    assert 16 <= len(read_prompt_file(path)) <= 24
 
 
 # The README example ----------------------------------------------------------------------------

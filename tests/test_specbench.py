@@ -1,4 +1,4 @@
-"""The benchmark suite's workloads (decoder/suite_workloads.py): the Spec-Bench question-file
+"""The harness's workloads (decoder/bench/workloads.py): the Spec-Bench question-file
 loader, the bundled held-out categories and left-padded batches."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from specboost.decoder.suite_workloads import (
+from specboost.decoder.bench.workloads import (
     CATEGORIES,
     Prompt,
     bundled_workloads,

@@ -1,5 +1,6 @@
-"""`python -m specboost.decoder.strategy_compare` end to end on the tiny stand-in models: an
-exported pool with a hardware profile and acceptance vectors, a few sizes and lengths."""
+"""The strategy comparison (`specboost bench --suite strategies`, decoder/bench/strategies.py) end to
+end on the tiny stand-in models: an exported pool with a hardware profile and acceptance vectors,
+a few sizes and lengths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from test_export_pool import make_boost
 
-from specboost.decoder.strategy_compare import CompareConfig, run
+from specboost.decoder.bench.strategies import StrategiesConfig
+from specboost.decoder.cli import main
 from specboost.decoder.tiny_models import build_tiny_models
 from specboost.speculator.cost_model import PROFILE_FILE, CostModel, device_key, save_cost_model
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
@@ -34,12 +36,13 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_compare_writes_json_markdown_and_plots(pool: tuple[Path, Path], tmp_path: Path) -> None:
     llm, folder = pool
-    config = CompareConfig(
+    config = StrategiesConfig(
         llm=str(llm), pool=str(folder), max_prompts=1, max_new_tokens=10, repeats=1, warmup=0,
         sizes=(4, 8), chains=(2, 4), chain_length=3, lengths=(2, 3),
     )  # fmt: skip
-    result = run(config, tmp_path)
-    h = result["headline"]
+    report = config.run(log=lambda _: None)
+    config.write(report, tmp_path)
+    h = report.results["headline"]
     assert h["all_identical"] and h["ssm"] == 0  # the hardware-aware choice: SSM 0's vector promises more
     assert set(h["trees"]) == {4, 8}
     assert h["trees"][4]["best_k_chains"] == "2-chains@4"  # 4 chains need more than 4 nodes
@@ -47,7 +50,7 @@ def test_compare_writes_json_markdown_and_plots(pool: tuple[Path, Path], tmp_pat
         "chain[0,2]",
         "chain[0,3]",
     )
-    methods = [s["method"] for s in result["summary"]]
+    methods = list(report.runs[0].methods)
     assert methods[0] == "plain" and len(methods) == len(set(methods))
     assert {"sequoia@4", "sequoia@8", "chain[0,3]", "chain[0,7]", "4-chains@8", "sequoia@auto"} <= set(
         methods
@@ -59,3 +62,14 @@ def test_compare_writes_json_markdown_and_plots(pool: tuple[Path, Path], tmp_pat
     assert "| nodes | sequoia | 1 chain | 2 chains | 4 chains |" in markdown and "| bass |" in markdown
     for plot in ("strategy_trees.png", "strategy_majority.png", "strategy_lengths.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_strategies_run_from_the_command_line_with_their_ssm(
+    pool: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llm, folder = pool
+    argv = ["bench", "--suite", "strategies", "--llm", str(llm), "--pool", str(folder), "--ssm", "1"]
+    argv += ["--max-prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert "## (a) Tokens per step by tree size (SSM 1;" in capsys.readouterr().out
+    assert json.loads((tmp_path / "strategy_compare.json").read_text())["headline"]["ssm"] == 1

@@ -1,4 +1,4 @@
-"""The benchmark suite's report computations (decoder/suite_report.py) on synthetic run records:
+"""The harness's report computations (decoder/bench/summary.py, report.py, suite.py) on synthetic run records:
 the bonus-token convention of ALGORITHMS.md section 13, medians and spread over repeats,
 speedups, the identical-output check and per-position acceptance."""
 
@@ -9,17 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from specboost.decoder.bench import RunRecord
-from specboost.decoder.suite import SuiteConfig, SuiteReport, markdown_report, update_readme, write_report
-from specboost.decoder.suite_fixture import FixtureBuild, FixturePaths
-from specboost.decoder.suite_report import (
-    Cell,
-    CellRun,
+from specboost.decoder.bench.markdown import fill_readme, markdown_report, markdown_table
+from specboost.decoder.bench.protocol import Report
+from specboost.decoder.bench.records import Cell, CellRun, RunRecord, row_stats
+from specboost.decoder.bench.suite import SuiteConfig
+from specboost.decoder.bench.summary import (
     Spread,
     accepted_at_least,
-    markdown_table,
     median_per_token_latency,
-    row_stats,
     summarise,
     tables,
 )
@@ -46,12 +43,12 @@ def ours(
     """A speculative run: every step emits its accepted drafts plus the LLM's own (bonus) token."""
     return RunRecord(
         method=method,
-        prompt_index=0,
+        item=0,
         repeat=repeat,
         new_tokens=sum(m + 1 for m in match_lengths),
         llm_steps=len(match_lengths),
         seconds=seconds,
-        identical_to_plain=identical,
+        identical=identical,
         draft_tokens=4 * len(match_lengths),
         accepted_tokens=sum(match_lengths),
         stats=stats(match_lengths, 4),
@@ -208,10 +205,10 @@ MACHINE = {
 }
 
 
-def suite_report(tmp_path: Path, runs: list[CellRun]) -> SuiteReport:
+def suite_report(tmp_path: Path, runs: list[CellRun]) -> Report:
     models = {"llm": "llm", "pool": "pool", "parameters": {"llm": 2_000_000, "ssms": [300_000]}}
-    build = FixtureBuild("tiny", FixturePaths.of("tiny", tmp_path))
-    return SuiteReport(SuiteConfig(fixture="tiny"), MACHINE, models, build, runs, {"x": {"m": "why"}})
+    build = {"name": "tiny", "paths": {"llm": "llm", "export": "pool"}, "steps": [], "seconds": 0.0}
+    return Report(SuiteConfig(fixture="tiny"), MACHINE, models, runs, {"x": {"m": "why"}}, fixture=build)
 
 
 def test_markdown_report_states_the_machine_first(tmp_path: Path) -> None:
@@ -231,7 +228,7 @@ def test_write_report_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     for r in runs[0].records:  # a weighted-majority method records its SSM weights
         if r.stats is not None:
             r.stats["strategy"] = {"weights": [[1.0], [1.25]]}
-    write_report(suite_report(tmp_path, runs), tmp_path / "out")
+    SuiteConfig(fixture="tiny").write(suite_report(tmp_path, runs), tmp_path / "out")
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == [
         "acceptance_by_position.png",
@@ -252,16 +249,16 @@ def test_the_readme_gets_the_report_between_its_markers_only(tmp_path: Path) -> 
     after = "<!-- bench-suite: end -->\n\n## Next\n"
     readme.write_text(before + "old numbers\n" + after)
     report = suite_report(tmp_path, cell_runs())
-    update_readme(readme, report, Path("artifacts/bench-suite/tiny"))
+    fill_readme(readme, report, Path("artifacts/bench-suite/tiny"))
     text = readme.read_text()
     assert text.startswith(before) and text.endswith(after) and "old numbers" not in text
     assert "**Machine:** Test CPU" in text and "### greedy, batch 1" in text
     assert "`artifacts/bench-suite/tiny/report.md`" in text
-    update_readme(readme, report, Path("artifacts/bench-suite/tiny"))
+    fill_readme(readme, report, Path("artifacts/bench-suite/tiny"))
     assert readme.read_text() == text  # idempotent
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="needs the lines"):
-        update_readme(readme, report, Path("out"))
+        fill_readme(readme, report, Path("out"))
 
 
 # Per-token latency at batch > 1 (BASS, ALGORITHMS.md section 11) ---------------------------------
@@ -274,9 +271,9 @@ def batch_records(
     """A batch of 2 rows: plain returns both after `plain` s, with 10 and 4 new tokens; batched
     decoding finishes its rows (4 and 10 new tokens) after `batched` s."""
     plain_run = hf("plain", repeat, plain, 20, 20)
-    plain_run.prompt_index, plain_run.stats = prompt, row_stats([plain, plain], [10, 4])
+    plain_run.item, plain_run.stats = prompt, row_stats([plain, plain], [10, 4])
     ours_run = ours("batched", repeat, max(batched), [3, 3, 3, 3, 1])  # 14 new tokens
-    ours_run.prompt_index = prompt
+    ours_run.item = prompt
     ours_run.stats |= row_stats(batched, [4, 10])
     return [plain_run, ours_run]
 
@@ -344,14 +341,12 @@ def test_speedup_vs_best_plain_is_against_the_fastest_plain_decoding() -> None:
 def test_low_precision_runs_report_agreement_with_float32_instead_of_failing() -> None:
     """bfloat16: no implementation is exact at near-ties, so greedy rows are not flagged for
     differing from plain; each reports the share of its outputs equal to float32 plain decoding."""
-    low = [
-        RunRecord(
-            **{**vars(r), "identical_to_plain": r.method != "chain[0]", "identical_to_float32": r.repeat != 1}
-        )
-        for r in records()
-    ]
-    rows = rows_by_name(summarise(low, METHODS, greedy=True))
+    # Each record is compared with float32 plain decoding's output (identical: equal to it).
+    low = [RunRecord(**{**vars(r), "identical": r.repeat != 1}) for r in records()]
+    rows = rows_by_name(summarise(low, METHODS, greedy=True, exact=False))
     assert rows["chain[0]"].identical_to_plain is None and rows["chain[0]"].rank is not None
     assert rows["chain[0]"].agreement_with_float32 == pytest.approx(2 / 3)
-    table = markdown_table(tables([CellRun(Cell("stories", "greedy", True, 1), METHODS, low)])[0])
+    table = markdown_table(
+        tables([CellRun(Cell("stories", "greedy", True, 1, exact=False), METHODS, low)])[0]
+    )
     assert "67% = float32 plain" in table and "DIFFERS" not in table

@@ -1,7 +1,7 @@
-"""The benchmark suite end to end (decoder/suite.py, suite_methods.py) on the tiny stand-in models:
-`specboost bench --suite FILE --llm LLM --pool POOL` runs every method of every cell on a pool
-exported with a predictor, a hardware profile of this machine and Sequoia vectors, and writes the
-report; the options that make no sense with --suite are refused."""
+"""The harness's configurations end to end on the tiny stand-in models (decoder/bench/): `specboost
+bench --suite FILE --llm LLM --pool POOL` runs every method of every cell on a pool exported with a
+predictor, a hardware profile of this machine and Sequoia vectors, and writes the report; the
+options that make no sense with --suite are refused; `--suite batched` and `--suite scheduler`."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ import torch
 from test_export_pool import make_boost
 from transformers import AutoModelForCausalLM
 
-from specboost.decoder.bench import GREEDY
+from specboost.decoder.bench.methods import Models
+from specboost.decoder.bench.records import GREEDY
+from specboost.decoder.bench.suite import SuiteConfig
+from specboost.decoder.bench.workloads import Prompt, encode_batches
 from specboost.decoder.cli import main
 from specboost.decoder.profiler import ProfileConfig, profile
-from specboost.decoder.suite import SuiteConfig
-from specboost.decoder.suite_methods import Shapes, SuiteModels, build_methods
-from specboost.decoder.suite_workloads import Prompt, encode_batches
 from specboost.decoder.tiny_models import build_tiny_models
 from specboost.speculator.cost_model import PROFILE_FILE, save_cost_model
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
-from specboost.training import export
+from specboost.training import bench_fixture, export
 
 MAX_NEW = 10
 
@@ -152,9 +152,74 @@ def test_methods_a_bare_pool_cannot_run_are_skipped_with_the_reason(tmp_path: Pa
     shape under its name (a bug: it was measured as `learned`), so it is not run; neither is Sequoia."""
     llm_dir, ssm_dirs = build_tiny_models(tmp_path / "tiny")
     export.export_pool(make_boost(tmp_path, (llm_dir, ssm_dirs)), tmp_path / "pool")
-    models = SuiteModels.load(llm_dir, tmp_path / "pool", "float32", "cpu")
+    models = Models.load(llm_dir, tmp_path / "pool")
     probe = encode_batches([Prompt("Once upon a time", "test", 0)], models.tokenizer, 1, 16)[0]
-    method_set = build_methods(models, GREEDY, 1, 4, Shapes(), probe, compiled=False)
+    method_set = SuiteConfig(max_new_tokens=4, compiled=False).method_set(models, GREEDY, 1, probe)
     assert set(method_set.skipped) == {"learned", "sequoia"}
     assert "no match-length predictor" in method_set.skipped["learned"]
     assert "pool_chain" in {m.name for m in method_set.methods}
+
+
+def test_the_batched_configuration_compares_static_batches_and_the_engine(
+    models: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make bench-batched`: plain, batched, the sequential and the pipelined engine at each batch
+    size on one workload, every output checked against per-sequence greedy `llm.generate`."""
+    llm, pool = models
+    argv = [
+        "bench",
+        "--suite",
+        "batched",
+        "--llm",
+        str(llm),
+        "--ssm",
+        str(pool / "ssm-0"),
+        "--num-prompts",
+        "4",
+    ]
+    argv += ["--batch-sizes", "1", "2", "--max-new-tokens", "6", "--repeats", "1", "--threads", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert "| B | plain tok/s | batched (x plain) |" in capsys.readouterr().out
+    record = json.loads((tmp_path / "batch_bench.json").read_text())
+    assert [row["batch_size"] for row in record["by_batch_size"]] == [1, 2]
+    for row in record["by_batch_size"]:
+        assert set(row["methods"]) == {"plain", "batched", "engine_sequential", "engine_pipelined"}
+        assert all(m["identical"] and m["normalized_latency"] > 0 for m in row["methods"].values())
+        assert row["pipelining_gain"] > 0
+    runs = [r for cell in record["runs"] for r in cell["records"]]
+    assert all(len(r["stats"]["row_latencies"]) == 4 for r in runs)  # all four requests in every run
+    assert (tmp_path / "batch_bench.md").is_file() and (tmp_path / "batch_bench.png").stat().st_size > 0
+
+
+def test_the_scheduler_configuration_compares_learned_fixed_and_oracle(
+    models: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make scheduler-eval`: the learned scheduler against every fixed beam shape and the oracle."""
+    llm, pool = models
+    argv = ["bench", "--suite", "scheduler", "--llm", str(llm), "--pool", str(pool), "--max-prompts", "1"]
+    assert (
+        main([*argv, "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    )
+    assert "the best fixed shape" in capsys.readouterr().out
+    record = json.loads((tmp_path / "scheduler_eval.json").read_text())
+    h = record["headline"]
+    assert h["all_identical"] and h["best_fixed"].startswith("fixed[") and h["regret"] < 1
+    methods = {row["method"] for row in record["tables"][0]["rows"]}
+    assert {"plain", "learned", "oracle", "fixed[1,1]"} <= methods
+    assert (tmp_path / "scheduler_eval.md").is_file() and (tmp_path / "scheduler_eval.png").stat().st_size > 0
+
+
+def test_make_bench_runs_the_suite_through_the_training_side(
+    models: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make bench` runs `python -m specboost.training.bench_fixture --suite ...`: with models given
+    it builds no fixture and hands every option but --build-threads to `specboost bench`."""
+    llm, pool = models
+    settings = {"categories": ["qa"], "prompts_per_category": 1, "batch_sizes": [1], "decodings": [{}]}
+    suite_file = tmp_path / "suite.json"
+    suite_file.write_text(json.dumps(settings | {"repeats": 1, "warmup": 0, "compiled": False}))
+    argv = ["--suite", str(suite_file), "--llm", str(llm), "--pool", str(pool), "--artifacts", str(tmp_path)]
+    argv += ["--build-threads", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "report")]
+    assert bench_fixture.main(argv) == 0
+    assert "## greedy, batch 1" in capsys.readouterr().out
+    assert (tmp_path / "report" / "suite.json").is_file() and not (tmp_path / "bench-fixture").exists()

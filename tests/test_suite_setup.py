@@ -1,5 +1,6 @@
-"""The benchmark suite's set-up: fixture steps and their done-markers (decoder/suite_fixture.py),
-suite settings (decoder/suite.py) and `specboost bench`'s two modes."""
+"""The benchmark suite's set-up: fixture steps, their done-markers and the build record
+(training/bench_fixture.py), suite settings (decoder/bench/suite.py, configurations.py) and
+`specboost bench`'s modes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from specboost.decoder import suite_fixture
-from specboost.decoder.bench import Decoding
+from specboost.decoder.bench.configurations import SUITES, resolve_suite
+from specboost.decoder.bench.records import Decoding
+from specboost.decoder.bench.suite import read_fixture
 from specboost.decoder.cli import main
-from specboost.decoder.suite import SUITES, SuiteConfig, resolve_suite
-from specboost.decoder.suite_fixture import Step, build_fixture, cached_outcome, fixture_steps
+from specboost.training import bench_fixture
+from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps
 
 
 def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None:
@@ -57,7 +59,7 @@ def test_a_built_step_is_cached_until_its_command_or_output_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     steps = fake_steps(tmp_path)
-    monkeypatch.setattr(suite_fixture, "fixture_steps", lambda *_: steps)
+    monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: steps)
     first = build_fixture("tiny", tmp_path, log=lambda _: None)
     assert [(o.name, o.cached) for o in first.steps] == [("a", False), ("b", False)]
     assert runs(tmp_path) == "ab"
@@ -81,7 +83,7 @@ def test_a_built_step_is_cached_until_its_command_or_output_changes(
 
 
 def test_a_dry_run_runs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(suite_fixture, "fixture_steps", lambda *_: fake_steps(tmp_path))
+    monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: fake_steps(tmp_path))
     lines: list[str] = []
     build = build_fixture("tiny", tmp_path, dry_run=True, log=lines.append)
     assert build.steps == [] and not (tmp_path / "runs.txt").exists()
@@ -90,7 +92,7 @@ def test_a_dry_run_runs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 def test_a_failing_step_writes_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     step = Step("bad", ("-c", "raise SystemExit(3)"), tmp_path / "never")
-    monkeypatch.setattr(suite_fixture, "fixture_steps", lambda *_: [step])
+    monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: [step])
     with pytest.raises(Exception, match="exit status 3"):
         build_fixture("tiny", tmp_path, log=lambda _: None)
     assert not (tmp_path / "bench-fixture" / "tiny" / "done" / "bad.json").exists()
@@ -117,7 +119,7 @@ def test_suites_resolve_by_name_or_json_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no suite 'nope'"):
         resolve_suite("nope")
     with pytest.raises(ValueError, match="unknown fixture"):
-        SuiteConfig(fixture="huge")
+        fixture_steps("huge", tmp_path, threads=1)
 
 
 def test_bench_needs_models_and_prompts_unless_it_runs_the_suite(capsys: pytest.CaptureFixture) -> None:
@@ -128,10 +130,27 @@ def test_bench_needs_models_and_prompts_unless_it_runs_the_suite(capsys: pytest.
 
 
 def test_bench_suite_dry_run_lists_the_fixture_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
+    """`make bench SUITE=quick SUITE_FLAGS=--dry-run`: the training side builds the suite's fixture."""
+    assert bench_fixture.main(["--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "[fixture tiny] reference-llm: to build:" in out and "export: to build:" in out
     assert not (tmp_path / "bench-fixture").exists()
+
+
+def test_the_suite_finds_its_fixture_by_the_build_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The decoder never builds a fixture: it reads the record the last build left, or says how to
+    build one."""
+    assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 2
+    assert "the fixture 'tiny' is not built" in capsys.readouterr().err
+    monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: fake_steps(tmp_path))
+    build_fixture("tiny", tmp_path, log=lambda _: None)
+    record = read_fixture(tmp_path, "tiny")
+    assert record["paths"]["export"] == str(tmp_path / "bench-fixture" / "tiny" / "pool-export")
+    assert [step["name"] for step in record["steps"]] == ["a", "b"] and not record["steps"][0]["cached"]
+    assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
+    assert "the suite would run on the fixture tiny" in capsys.readouterr().out
 
 
 def test_steps_after_boost_use_the_ssms_the_boost_run_produced(tmp_path: Path) -> None:
@@ -146,3 +165,68 @@ def test_steps_after_boost_use_the_ssms_the_boost_run_produced(tmp_path: Path) -
     for name in ("predictor-data", "profile", "sequoia-acceptance"):
         named = [a for a in steps[name].argv if a.startswith(str(pool / "ssm-"))]
         assert named == [str(pool / "ssm-0"), str(pool / "ssm-1")], name
+
+
+# What every step of the `small` fixture ran when the cache in use was built: a step whose command
+# differs is rebuilt, so these must not change without a reason to rebuild.
+SMALL = "artifacts/bench-fixture/small"
+LLM = "artifacts/reference-llm/small/model"
+SSMS = [f"{SMALL}/pool/ssm-{i}" for i in range(3)]
+RECORDED_ARGV = {
+    "reference-llm": [
+        "specboost.training.reference_llm",
+        "--preset",
+        "small",
+        "--out",
+        "artifacts/reference-llm/small",
+    ],
+    "distill-tinystories_train_openings": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts", "tinystories_train_openings"),
+        *(
+            "--out",
+            f"{SMALL}/distill/tinystories_train_openings",
+            "--max-new-tokens",
+            "64",
+            "--batch-size",
+            "16",
+        ),
+    ],
+    "boost": [
+        *("specboost.training.boost", "--distilled", f"{SMALL}/distill/tinystories_train_openings"),
+        *("--llm", LLM, "--out", f"{SMALL}/pool", "--num-ssms", "3", "--max-steps", "400"),
+    ],
+    "distill-gutenberg_openings": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts", "gutenberg_openings"),
+        *("--out", f"{SMALL}/distill/gutenberg_openings", "--max-new-tokens", "64", "--batch-size", "16"),
+    ],
+    "predictor-data": [
+        *("specboost.training.predictor_data", "--llm", LLM, "--ssm", *SSMS),
+        *("--distilled", f"{SMALL}/distill/gutenberg_openings", "--out", f"{SMALL}/predictor-data"),
+    ],
+    "predictor": [
+        *("specboost.training.train_predictor", "--labels", f"{SMALL}/predictor-data"),
+        *("--out", f"{SMALL}/pool/predictor"),
+    ],
+    "profile": [
+        *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm", *SSMS),
+        *("--out", f"{SMALL}/pool/hardware_profile.json", "--threads", "1"),
+    ],
+    "sequoia-acceptance": [
+        *("specboost.training.sequoia_trees", "--llm", LLM, "--ssm", *SSMS),
+        *("--distilled", f"{SMALL}/distill/tinystories_train_openings"),
+        *(
+            "--held-out-from",
+            f"{SMALL}/pool/boost_record.json",
+            "--out",
+            f"{SMALL}/pool/sequoia_acceptance.json",
+        ),
+    ],
+    "export": ["specboost.training.export", "--boost", f"{SMALL}/pool", "--out", f"{SMALL}/pool-export"],
+}
+
+
+def test_every_fixture_step_keeps_the_command_its_cache_was_built_with() -> None:
+    steps = fixture_steps("small", Path("artifacts"), threads=1, build_threads=2)
+    assert {s.name: list(s.argv) for s in steps} == {
+        name: ["-m", *argv] for name, argv in RECORDED_ARGV.items()
+    }

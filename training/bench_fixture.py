@@ -1,6 +1,8 @@
-"""The benchmark suite's fixture: a reference LLM and everything the methods need, built once.
+"""The benchmark suite's fixture: a reference LLM and everything the methods need, built once;
+with --suite, then the suite on it (`make bench`: `specboost bench --suite` with the same options).
 
-    python -m specboost.decoder.suite_fixture --fixture tiny [--dry-run]
+    python -m specboost.training.bench_fixture --fixture tiny [--dry-run] [--build-threads N]
+    python -m specboost.training.bench_fixture --suite quick [specboost bench options]
 
 Steps, in order (the same commands as the Makefile's training targets):
 reference LLM (`make reference-llm`, into ARTIFACTS/reference-llm/<preset>, shared with it) ->
@@ -14,6 +16,8 @@ later build skips a step whose marker holds the same command and whose output ex
 cached build costs nothing. Once a step runs, every later step runs too (they may depend on it),
 each resuming through its own logic (every training step resumes after a kill and is a no-op
 when its output is complete). To rebuild a step from scratch, delete its output and its marker.
+Every build ends by writing `fixture.json` (its model paths and steps) into the cache folder:
+`specboost bench --suite` finds the fixture's models there.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specboost.decoder import cli
+from specboost.decoder.bench.configurations import resolve_suite
+from specboost.decoder.bench.suite import FIXTURE_RECORD, SuiteConfig
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
 from specboost.training.run_files import write_json_atomic
 
@@ -211,6 +218,8 @@ def build_fixture(
             log(f"[fixture {name}] {step.name}: done in {outcome.seconds:.0f} s")
         build.steps.append(outcome)
     build.seconds = time.perf_counter() - start
+    if not dry_run:
+        write_json_atomic(paths.cache / FIXTURE_RECORD, json.loads(json.dumps(asdict(build), default=str)))
     return build
 
 
@@ -240,25 +249,41 @@ def _run_step(cache: Path, step: Step) -> StepOutcome:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Build (or check) the benchmark suite's fixture.")
-    p.add_argument("--fixture", choices=sorted(FIXTURES), default="small")
+    """Build (or check) a fixture; with --suite, that suite's fixture, then run the suite on it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(
+        description="Build (or check) the benchmark suite's fixture; with --suite, run it."
+    )
+    p.add_argument(
+        "--suite", metavar="NAME|FILE", help="build its fixture, then `specboost bench` with these options"
+    )
+    p.add_argument("--fixture", choices=sorted(FIXTURES), help="(default: the suite's, else small)")
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"))
     p.add_argument(
-        "--threads", type=int, default=1, help="torch threads of the hardware profile (the suite's)"
+        "--threads", type=int, help="torch threads of the hardware profile (default: the suite's, 1)"
     )
     p.add_argument(
-        "--build-threads",
-        type=int,
-        metavar="N",
-        help="torch threads of the training steps (default: every core)",
+        "--build-threads", type=int, metavar="N", help="training steps' threads (default: all cores)"
     )
     p.add_argument("--dry-run", action="store_true", help="list the steps that would run; run none")
-    args = p.parse_args(argv)
-    build = build_fixture(
-        args.fixture, args.artifacts, args.threads, args.dry_run, build_threads=args.build_threads
-    )
-    print(f"[fixture {args.fixture}] {build.seconds:.0f} s; pool at {build.paths.export}")
-    return 0
+    p.add_argument("--llm", help="with --suite: your own models, no fixture to build")
+    args, rest = p.parse_known_args(argv)
+    if rest and args.suite is None:
+        p.error(f"unrecognized arguments: {' '.join(rest)} (specboost bench options need --suite)")
+    config = resolve_suite(args.suite) if args.suite is not None else SuiteConfig()
+    if isinstance(config, SuiteConfig) and args.llm is None:
+        name, threads = args.fixture or config.fixture, args.threads or config.threads
+        build = build_fixture(name, args.artifacts, threads, args.dry_run, build_threads=args.build_threads)
+        print(f"[fixture {name}] {build.seconds:.0f} s; pool at {build.paths.export}")
+    if args.suite is None or args.dry_run:
+        return 0
+    # The suite's own options: all but --build-threads (and its value).
+    argv = [
+        a
+        for i, a in enumerate(argv)
+        if not a.startswith("--build-threads") and argv[i - 1 : i] != ["--build-threads"]
+    ]
+    return cli.main(["bench", *argv])
 
 
 if __name__ == "__main__":

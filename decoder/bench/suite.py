@@ -1,0 +1,349 @@
+"""The benchmark suite: every method against plain and Hugging Face assisted generation on held-out
+workloads by category, greedy and sampled, at batch sizes 1 and 8; on SSM folders and one prompt
+file, the single-file bench. Writes suite.json (bench.json), report.md and the plots.
+
+    specboost bench --suite default                  # the `small` fixture (make bench builds it)
+    specboost bench --suite my_suite.json --spec-bench question.jsonl --out DIR
+    specboost bench --suite default --llm MY_LLM --pool MY_POOL_EXPORT   # your own models
+    specboost bench --llm LLM --ssm SSM ... --prompts FILE --out DIR      # the single-file bench
+
+Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
+and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
+SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.STRATEGIES`);
+the learned scheduler. Batch > 1: plain batched `generate` against the pool's chains as one
+ragged batch (BASS, eager and compiled) and the pipelined engine (Minions: two groups of half the
+batch). A method that cannot run here is listed under "Not run" with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import statistics
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers import BatchEncoding
+
+from specboost.decoder.bench.markdown import fill_readme, markdown_report
+from specboost.decoder.bench.methods import (
+    STATIC_EAGER,
+    Models,
+    decoder_method,
+    engine_method,
+    generate_method,
+    static_compiled,
+)
+from specboost.decoder.bench.plots import (
+    plot_acceptance_by_position,
+    plot_speedup,
+    plot_ssm_weights,
+    plot_tokens_per_step,
+    weight_histories,
+)
+from specboost.decoder.bench.protocol import Log, Plan, Protocol, Report, build_methods
+from specboost.decoder.bench.records import GREEDY, Decoding, Method, MethodSet
+from specboost.decoder.bench.summary import HF_ASSISTED, PLAIN
+from specboost.decoder.bench.workloads import (
+    CATEGORIES,
+    Workload,
+    bundled_workloads,
+    encode_batches,
+    held_out_or_file,
+    load_spec_bench,
+)
+from specboost.decoder.engine import EngineConfig
+from specboost.decoder.loop import BatchConfig
+from specboost.decoder.strategies import STRATEGIES
+from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
+
+FIXTURE_RECORD = "fixture.json"  # written by the fixture's builder (training/bench_fixture.py)
+# The single-file bench's method families ("plain" always runs).
+BENCH_METHODS = ("plain", "hf_assisted", "chain", "stairs", "pool_chain", "pool_beam", "pool_topology")
+METHOD_FAMILIES = (
+    *(
+        "plain",
+        "plain_static",
+        "plain_compiled",
+        "hf_assisted",
+        "chain",
+        "chain+compiled",
+        "stairs",
+        "pool_chain",
+    ),
+    *("pool_beam", "pool_topology", *(s for s in STRATEGIES if s != "pool"), "majority+adaptive", "batched"),
+    *("batched+compiled", "engine"),
+)
+ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
+BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one length per step
+SSM_PROBE_TOKENS = 32  # tokens per timed SSM generation in `ssm_token_seconds`
+
+
+@dataclass(frozen=True)
+class Shapes:
+    chain_length: int = 4  # ChainShape of chain[i], stairs, pool_chain, majority, batched
+    beam_width: int = 2  # BeamShape of pool_beam and pruned
+    beam_depth: int = 4
+    topology_children: tuple[tuple[int, ...], ...] = ((2,), (2, 1), (1, 1, 1), (1, 1, 1))  # pool_topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class SuiteConfig(Protocol):
+    fixture: str = "small"  # its models unless llm with pool or ssms is given (training/bench_fixture.py)
+    llm: str | None = None  # the LLM (folder or hub id) with `pool` or `ssms`, instead of the fixture's
+    pool: str | None = None  # an exported pool for `llm` (SSMPool.from_pretrained)
+    ssms: tuple[str, ...] = ()  # or SSM folders (the single-file bench)
+    tokenizer: str | None = None  # default: the LLM's
+    categories: tuple[str, ...] = tuple(CATEGORIES)  # bundled categories (unless spec_bench or prompts)
+    spec_bench: str | None = None  # a Spec-Bench question file: its categories are the workloads
+    prompts: str | None = None  # a prompt file (or a bundled set's held-out split): one workload
+    prompts_per_category: int | None = 4  # at batch size b, ceil(n / b) batches of b; None: every prompt
+    decodings: tuple[Decoding, ...] = (GREEDY, Decoding(do_sample=True, temperature=0.8))
+    batch_sizes: tuple[int, ...] = (1, 8)
+    shapes: Shapes = field(default_factory=Shapes)
+    compiled: bool = True  # also the torch.compile'd rows (plain_compiled, chain[i]+compiled, ...)
+    methods: tuple[str, ...] | None = None  # method families to run (plain always); None: the suite's
+
+    # The `specboost bench` options a suite takes (others are refused with --suite).
+    options: ClassVar[tuple[str, ...]] = (
+        *("llm", "pool", "fixture", "spec_bench", "max_new_tokens", "repeats", "warmup", "threads"),
+        *("dtype", "device", "chain_length", "beam_width", "beam_depth", "readme", "dry_run"),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if min(self.prompts_per_category or 1, *self.batch_sizes) < 1:
+            raise ValueError("prompts_per_category and batch sizes must be >= 1")
+        if self.prompts_per_category is None and self.prompts is None:
+            raise ValueError("prompts_per_category=None (every prompt) needs a prompt file")
+        if (self.llm is None) != (self.pool is None and not self.ssms) or (self.pool and self.ssms):
+            raise ValueError(
+                "give both llm and pool (a pool exported for that LLM by `make export`) to benchmark "
+                "your own models, or llm and SSM folders, or neither to benchmark the fixture"
+            )
+        unknown = sorted(set(self.methods or ()) - set(METHOD_FAMILIES))
+        if unknown:
+            raise ValueError(f"unknown bench methods {unknown}; choose from {list(METHOD_FAMILIES)}")
+
+    @property
+    def name(self) -> str:
+        """The report folder's name: the fixture's, or the given LLM's."""
+        return self.fixture if self.llm is None else Path(self.llm).name
+
+    def folder(self) -> str:
+        return f"bench-suite/{self.name}"
+
+    @classmethod
+    def from_json(cls, path: Path) -> SuiteConfig:
+        """A JSON object of SuiteConfig fields (`decodings`: a list of Decoding fields, `shapes`:
+        Shapes fields)."""
+        data = json.loads(path.read_text())
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: unknown suite settings {unknown}")
+        if "decodings" in data:
+            data["decodings"] = tuple(Decoding(**d) for d in data["decodings"])
+        if "shapes" in data:
+            data["shapes"] = Shapes(**data["shapes"])
+        for name in ("categories", "batch_sizes", "ssms", "methods"):
+            if name in data:
+                data[name] = tuple(data[name])
+        return cls(**data)
+
+    def with_options(self, **given: Any) -> SuiteConfig:
+        """Command-line options over the settings (shape options go into `shapes`)."""
+        if "max_prompts" in given:  # the single-file bench's
+            given["prompts_per_category"] = given.pop("max_prompts")
+        shape_names = {f.name for f in fields(Shapes)}
+        shapes = replace(self.shapes, **{k: v for k, v in given.items() if k in shape_names})
+        rest = {k: v for k, v in given.items() if k not in shape_names}
+        return replace(self, shapes=shapes, **rest)
+
+    def wanted(self, name: str) -> bool:
+        if name.endswith("compiled") and not self.compiled:
+            return False
+        family = re.sub(r"\[[^]]*\]", "", name)
+        if self.methods is None:  # the suite's rows: Stairs with SSM 0 alone, no topology
+            return name != "pool_topology" and (family != "stairs" or name == "stairs[0]")
+        return name == PLAIN or family in self.methods
+
+    def workloads(self) -> list[Workload]:
+        if self.spec_bench is not None:
+            return load_spec_bench(self.spec_bench)
+        if self.prompts is not None:
+            return [held_out_or_file(self.prompts, self.prompts_per_category)]
+        per = self.prompts_per_category
+        return bundled_workloads(self.categories, max(math.ceil(per / b) * b for b in self.batch_sizes))
+
+    # Running ----------------------------------------------------------------------------------------
+    def plan(self, artifacts: Path, log: Log) -> Plan:
+        """Every cell: batch size x decoding x category, on the fixture's models or the given ones."""
+        fixture, llm, pool = None, self.llm, self.pool
+        if llm is None:
+            fixture = read_fixture(artifacts, self.fixture)
+            llm, pool = fixture["paths"]["llm"], fixture["paths"]["export"]
+        models = Models.load(
+            llm, pool, self.ssms, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device
+        )
+        workloads = {w.category: w for w in self.workloads()}
+
+        def items(category: str, size: int) -> list[BatchEncoding] | str:
+            prompts = workloads[category].prompts  # a prompt file: all of them; else as many per category
+            n = (
+                len(prompts) // size * size
+                if self.prompts
+                else math.ceil(self.prompts_per_category / size) * size
+            )
+            if n == 0 or len(prompts) < n:
+                return f"{len(prompts)} prompts, {max(n, size)} needed"
+            return encode_batches(prompts[:n], models.tokenizer, size, self.max_prompt_tokens, self.device)
+
+        def reference(decoding: Decoding, batches: list[BatchEncoding]) -> list | None:
+            low_precision = self.dtype in ("bfloat16", "float16") and not decoding.do_sample
+            return models.reference_rows(batches, self.max_new_tokens) if low_precision else None
+
+        def results(report: Report) -> dict[str, Any]:
+            if self.methods is not None:  # the suite's own rows only: the drafting cost line
+                return {}
+            probe = encode_batches(next(iter(workloads.values())).prompts[:1], models.tokenizer, 1, 16)[0]
+            return {
+                "ssm_token_seconds": ssm_token_seconds(models, probe.input_ids.to(self.device), self.repeats)
+            }
+
+        settings = [(d, b) for b in self.batch_sizes for d in self.decodings]
+        info = models.info(str(llm), str(pool) if pool else list(self.ssms))
+        method_set = functools.partial(self.method_set, models)
+        return Plan(
+            settings, list(workloads), items, method_set, info, reference, fixture=fixture, results=results
+        )
+
+    def method_set(self, models: Models, decoding: Decoding, size: int, probe: BatchEncoding) -> MethodSet:
+        """The methods of one decoding and batch size that run here (`build_methods`)."""
+        made = candidates(self, models, decoding, size)
+        return build_methods({name: make for name, make in made.items() if self.wanted(name)}, probe)
+
+    # Writing ----------------------------------------------------------------------------------------
+    def write(self, report: Report, out: Path, readme: Path | None = None) -> str:
+        """suite.json (bench.json for a prompt file), report.md and the plots into `out` (and the
+        results into the README); returns the report's Markdown."""
+        text = markdown_report(report)
+        report.write_json(out / ("suite.json" if self.prompts is None else "bench.json"))
+        (out / "report.md").write_text(text)
+        all_tables = report.tables()
+        plot_speedup(all_tables[0], out / "speedup.png")
+        plot_tokens_per_step(all_tables, out / "tokens_per_step_vs_tree_size.png")
+        plot_acceptance_by_position(all_tables[0], out / "acceptance_by_position.png")
+        histories = weight_histories(report.runs)
+        if histories:
+            plot_ssm_weights(histories, out / "ssm_weights.png")
+        if readme is not None:
+            fill_readme(readme, report, out)
+        return text
+
+
+def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: int) -> dict[str, Any]:
+    """Every method the suite can run at one decoding and batch size, by name, each built when
+    called; the reference (plain) first."""
+    max_new, shapes, everyone = config.max_new_tokens, config.shapes, list(range(len(models.ssms)))
+    chain, beam = ChainShape(shapes.chain_length), BeamShape(shapes.beam_width, shapes.beam_depth)
+    topology = TopologyShape.from_children_counts([list(c) for c in shapes.topology_children])
+
+    def hf(name: str, description: str, compiled: bool = False, **kwargs: Any) -> Any:
+        return lambda: generate_method(name, description, models, max_new, decoding, compiled, **kwargs)
+
+    def ours(name: str, description: str, indices: list[int] = everyone, **kwargs: Any) -> Any:
+        decoder = functools.partial(models.decoder, indices, **kwargs)
+        return lambda: decoder_method(name, description, models, decoder(), indices, max_new, decoding)
+
+    batch = f", batch of {size}, left padding" if size > 1 else ""
+    out = {
+        PLAIN: hf(PLAIN, f"llm.generate{batch}"),
+        "plain_static": hf("plain_static", f"llm.generate{batch}, static cache", **STATIC_EAGER),
+        "plain_compiled": hf("plain_compiled", f"llm.generate{batch}, compiled", True, **static_compiled()),
+    }
+    if size > 1:
+        engine = EngineConfig(batch_size=max(1, size // 2), num_groups=2, pipeline=True)
+        engine_description = (
+            f"{chain} by all SSMs ({BASS}), pipelined engine: 2 groups of {engine.batch_size}"
+        )
+        out["batched"] = ours("batched", f"{chain} by all SSMs, one ragged batch ({BASS})", shape=chain)
+        out["batched+compiled"] = ours("batched+compiled", "batched, compiled", shape=chain, compile=True)
+        out["engine"] = lambda: engine_method(
+            "engine", engine_description, models, engine, max_new, decoding, shape=chain
+        )
+        return out
+    for i, ssm in enumerate(models.ssms):
+        out[f"{HF_ASSISTED}[{i}]"] = hf(
+            f"{HF_ASSISTED}[{i}]", f"llm.generate(assistant_model=SSM {i})", assistant_model=ssm
+        )
+    for i in everyone:
+        out[f"chain[{i}]"] = ours(f"chain[{i}]", f"{chain} drafted by SSM {i}", [i], shape=chain)
+        out[f"chain[{i}]+compiled"] = ours(
+            f"chain[{i}]+compiled", f"chain[{i}], compiled", [i], shape=chain, compile=True
+        )
+    for i in everyone:
+        description = f"{chain} drafted by SSM {i}, Stairs verification"
+        out[f"stairs[{i}]"] = ours(f"stairs[{i}]", description, [i], shape=chain, verification="stairs")
+    for name, shape in {"pool_chain": chain, "pool_beam": beam, "pool_topology": topology}.items():
+        if len(everyone) > 1 or name != "pool_chain":  # one SSM's pool chain is chain[0]
+            out[name] = ours(name, f"{shape} by all SSMs, merged (SpecInfer)", shape=shape)
+    for strategy in (s for s in STRATEGIES if s not in ("pool", "learned")):
+        shape = {"majority": chain, "pruned": beam}.get(strategy)  # the others draft their own trees
+        kwargs = {"strategy": strategy} | ({"shape": shape} if shape else {})
+        description = f'strategy="{strategy}"' + (f", {shape}" if shape else "")
+        out[strategy] = ours(strategy, description, **kwargs)
+        if strategy == "majority":
+            description += f', length_controller="{ADAPTIVE_LENGTH}"'
+            out["majority+adaptive"] = ours(
+                "majority+adaptive", description, length_controller=ADAPTIVE_LENGTH, **kwargs
+            )
+    learned = ours(
+        "learned", "learned scheduler (the pool's predictor and hardware profile)", strategy="learned"
+    )
+    out["learned"] = lambda: _with_predictor(models, learned)
+    return out
+
+
+def _with_predictor(models: Models, make: Any) -> Method:
+    """The learned scheduler's row, refused for a pool without a predictor: strategy="learned"
+    would fall back to the fixed shape and the row would measure another method under its name."""
+    if models.pool is None or models.pool.predictor is None:
+        raise ValueError(
+            "the pool ships no match-length predictor (`make predictor`, then `make export`), so "
+            'strategy="learned" would run the fixed shape'
+        )
+    return make()
+
+
+def read_fixture(artifacts: Path, name: str) -> dict[str, Any]:
+    """The build record the fixture's builder leaves (its model paths, its steps)."""
+    path = artifacts / "bench-fixture" / name / FIXTURE_RECORD
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the fixture {name!r} is not built in {artifacts} ({path} is missing): `make bench` builds it, "
+            f"or `python -m specboost.training.bench_fixture --fixture {name}`; or give --llm and --pool"
+        )
+    return json.loads(path.read_text())
+
+
+def ssm_token_seconds(models: Models, prompt: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+    """Per SSM, seconds per token of its own plain decoding with a static cache, eager and compiled
+    (what a drafted token is held against): the median of `repeats` interleaved runs of `generate`
+    on `prompt` [1, L], after one untimed run each."""
+    runs = {"static": STATIC_EAGER, "compiled": static_compiled()}
+    times: dict[str, list[list[float]]] = {kind: [[] for _ in models.ssms] for kind in runs}
+    kwargs = dict(max_new_tokens=SSM_PROBE_TOKENS, min_new_tokens=SSM_PROBE_TOKENS, do_sample=False)
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            for i, ssm in enumerate(models.ssms):
+                for kind, options in runs.items():
+                    start = time.perf_counter()
+                    ssm.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs, **options)
+                    if repeat:  # the first round warms up (and compiles)
+                        times[kind][i].append((time.perf_counter() - start) / SSM_PROBE_TOKENS)
+    return {kind: [statistics.median(t) for t in per_ssm] for kind, per_ssm in times.items()}
