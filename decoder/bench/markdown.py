@@ -133,6 +133,31 @@ def draft_cost_line(table: Table, ssm_seconds: dict[str, list[float]]) -> str:
     return f"{lead} (eager vs eager, compiled vs compiled): " + "; ".join(parts) + "."
 
 
+def level_cost_line(table: Table) -> str | None:
+    """Per pool row: its drafting time per tree level against the best single-SSM chain's (eager
+    against eager, compiled against compiled), and its tokens per step against its drafted tokens:
+    what each extra SSM costs and buys (None without both kinds of rows)."""
+    singles = [row for row in table.rows if row.method.startswith("chain[") and row.draft_ms_per_level]
+    parts = []
+    for row in table.rows:
+        if row.method.startswith(("chain[", "stairs[")) or not row.draft_ms_per_level or row.rank is None:
+            continue
+        compiled = row.method.endswith("compiled")
+        peers = [s for s in singles if s.method.endswith("compiled") == compiled and s.rank is not None]
+        if not peers:
+            continue
+        best = min(peers, key=lambda s: s.rank)
+        parts.append(
+            f"`{row.method}` {row.draft_ms_per_level:.2f} ms/level = "
+            f"{row.draft_ms_per_level / best.draft_ms_per_level:.2f}x `{best.method}`'s, "
+            f"{row.tokens_per_step:.2f} tokens/step for {row.draft_tokens_per_step:.1f} drafted "
+            f"({best.tokens_per_step:.2f} for {best.draft_tokens_per_step:.1f})"
+        )
+    if not parts:
+        return None
+    return "Drafting per tree level vs the fastest single-SSM chain: " + "; ".join(parts) + "."
+
+
 def fixture_line(build: dict[str, Any] | None) -> str:
     if build is None:
         return "no fixture: the models were given"
@@ -178,6 +203,9 @@ def markdown_report(report: Report, level: int = 1) -> str:
         lines += ["", f"{h}# {table.title}", "", markdown_table(table)]
         if table.batch_size == 1 and "ssm_token_seconds" in report.results:
             lines += ["", draft_cost_line(table, report.results["ssm_token_seconds"])]
+        levels = level_cost_line(table) if table.batch_size == 1 else None
+        if levels:
+            lines += ["", levels]
     if notes := not_run(report.skipped):
         lines += ["", f"{h}# Not run", "", *notes]
     return "\n".join(lines) + "\n"

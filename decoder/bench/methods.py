@@ -16,6 +16,7 @@ from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import CompileConfig
 
 from specboost.decoder.bench.records import Decoding, Method, MethodResult
+from specboost.decoder.compilation import compile_options
 from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.pool import SSMPool
@@ -216,11 +217,11 @@ def queued(method: Method, size: int) -> Method:
     return replace(method, run=run)
 
 
-def static_compiled() -> dict[str, object]:
+def static_compiled(device: torch.device) -> dict[str, object]:
     """`generate` kwargs for a static cache and a compiled forward, on any device (transformers
-    compiles by itself only on accelerators)."""
-    config = CompileConfig(
-        fullgraph=False, dynamic=False, mode="reduce-overhead" if torch.cuda.is_available() else "default"
-    )
+    compiles by itself only on accelerators), compiled as our decoder compiles its passes (CUDA
+    graphs; on the CPU, inductor's C++ wrapper), so that both sides of the comparison get the same
+    compiler."""
+    config = CompileConfig(fullgraph=False, dynamic=False, **({"mode": None} | compile_options(device)))
     config._compile_all_devices = True
     return {"cache_implementation": "static", "compile_config": config}

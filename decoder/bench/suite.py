@@ -75,6 +75,8 @@ METHOD_FAMILIES = (
         "chain+compiled",
         "stairs",
         "pool_chain",
+        "pool_chain+compiled",
+        "majority+compiled",
     ),
     *("pool_beam", "pool_topology", *(s for s in STRATEGIES if s != "pool"), "majority+adaptive", "batched"),
     *("batched+compiled", "engine"),
@@ -264,7 +266,9 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
     out = {
         PLAIN: hf(PLAIN, f"llm.generate{batch}"),
         "plain_static": hf("plain_static", f"llm.generate{batch}, static cache", **STATIC_EAGER),
-        "plain_compiled": hf("plain_compiled", f"llm.generate{batch}, compiled", True, **static_compiled()),
+        "plain_compiled": hf(
+            "plain_compiled", f"llm.generate{batch}, compiled", True, **static_compiled(models.llm.device)
+        ),
     }
     if size > 1:
         engine = EngineConfig(batch_size=max(1, size // 2), num_groups=2, pipeline=True)
@@ -292,12 +296,17 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
     for name, shape in {"pool_chain": chain, "pool_beam": beam, "pool_topology": topology}.items():
         if len(everyone) > 1 or name != "pool_chain":  # one SSM's pool chain is chain[0]
             out[name] = ours(name, f"{shape} by all SSMs, merged (SpecInfer)", shape=shape)
+    if len(everyone) > 1:
+        out["pool_chain+compiled"] = ours(
+            "pool_chain+compiled", "pool_chain, compiled", shape=chain, compile=True
+        )
     for strategy in (s for s in STRATEGIES if s not in ("pool", "learned")):
         shape = {"majority": chain, "pruned": beam}.get(strategy)  # the others draft their own trees
         kwargs = {"strategy": strategy} | ({"shape": shape} if shape else {})
         description = f'strategy="{strategy}"' + (f", {shape}" if shape else "")
         out[strategy] = ours(strategy, description, **kwargs)
         if strategy == "majority":
+            out["majority+compiled"] = ours("majority+compiled", "majority, compiled", compile=True, **kwargs)
             description += f', length_controller="{ADAPTIVE_LENGTH}"'
             out["majority+adaptive"] = ours(
                 "majority+adaptive", description, length_controller=ADAPTIVE_LENGTH, **kwargs
@@ -335,7 +344,7 @@ def ssm_token_seconds(models: Models, prompt: torch.Tensor, repeats: int) -> dic
     """Per SSM, seconds per token of its own plain decoding with a static cache, eager and compiled
     (what a drafted token is held against): the median of `repeats` interleaved runs of `generate`
     on `prompt` [1, L], after one untimed run each."""
-    runs = {"static": STATIC_EAGER, "compiled": static_compiled()}
+    runs = {"static": STATIC_EAGER, "compiled": static_compiled(prompt.device)}
     times: dict[str, list[list[float]]] = {kind: [[] for _ in models.ssms] for kind in runs}
     kwargs = dict(max_new_tokens=SSM_PROBE_TOKENS, min_new_tokens=SSM_PROBE_TOKENS, do_sample=False)
     with torch.inference_mode():

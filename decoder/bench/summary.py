@@ -54,6 +54,7 @@ class MethodRow:
     accepted_at_least: list[float] | None  # [k - 1]: share of steps accepting >= k drafted tokens
     time_split: dict[str, float] | None  # share of the decoder's time per phase (PHASES)
     draft_ms_per_token: float | None  # draft time per drafted token (ours)
+    draft_ms_per_level: float | None  # draft time per tree level drafted (a stacked pool: one pass)
     tokens_per_second: Spread
     speedup_vs_plain: Spread | None  # None: output differs (not ranked)
     speedup_vs_best_plain: Spread | None  # vs the fastest of BEST_PLAIN
@@ -141,24 +142,25 @@ def _have(records: Sequence[RunRecord], key: str) -> bool:
 
 def _drafting(records: Sequence[RunRecord]) -> tuple:
     """Drafted tokens per step, acceptance (overall and per SSM), acceptance by position, the
-    decoder's time split and drafting time per drafted token; all None for a method that does not
-    draft (plain and HF assisted generation, which report no drafts)."""
+    decoder's time split and drafting time per drafted token and per tree level; all None for a
+    method that does not draft (plain and HF assisted generation, which report no drafts)."""
     if not _have(records, "time_draft"):
-        return (None,) * 6
+        return (None,) * 7
     drafted, accepted = sum(r.draft_tokens for r in records), sum(r.accepted_tokens for r in records)
     proposed, hits, seconds = Counter(), Counter(), Counter()
     for r in records:
         proposed.update(r.stats["proposed_per_ssm"])
         hits.update(r.stats["accepted_per_ssm"])
         seconds.update({phase: r.stats[f"time_{phase}"] for phase in PHASES})
-    total = sum(seconds.values())
+    total, levels = sum(seconds.values()), sum(r.stats.get("draft_levels", 0) for r in records)
     return (
         drafted / max(1, sum(r.llm_steps for r in records)),
         accepted / drafted if drafted else 0.0,
         {i: hits[i] / n if n else 0.0 for i, n in sorted(proposed.items())},
         accepted_at_least(records),
         {phase: seconds[phase] / total if total else 0.0 for phase in PHASES},
-        1e3 * sum(r.stats["time_draft"] for r in records) / drafted if drafted else None,
+        1e3 * seconds["draft"] / drafted if drafted else None,
+        1e3 * seconds["draft"] / levels if levels else None,
     )
 
 
