@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from types import FunctionType
 from typing import Literal
 
 import torch
@@ -28,6 +29,7 @@ CompileSetting = bool | Literal["auto"]
 # Graphs per compiled call: row buckets x node buckets x capacities in use. dynamo's default of 8
 # recompilations per code object would fall back to eager after a few shapes.
 RECOMPILE_LIMIT = 64
+ACCUMULATED_LIMIT = 1024  # graphs of all models of a process together (a benchmark compiles many)
 
 
 def compile_by_default(device: torch.device) -> bool:
@@ -58,16 +60,32 @@ class ModelCalls:
         self._calls: dict[int, ModelCall] = {}
         if enabled:
             check_can_compile(device)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, ACCUMULATED_LIMIT)
 
     def get(self, model: PreTrainedModel) -> ModelCall | None:
         if not self.enabled:
             return None
         if id(model) not in self._calls:
             self._calls[id(model)] = torch.compile(
-                tree_pass, fullgraph=False, dynamic=False, **compile_options(model.device)
+                own_code(tree_pass), fullgraph=False, dynamic=False, **compile_options(model.device)
             )
         return self._calls[id(model)]
+
+
+def own_code(function: FunctionType) -> FunctionType:
+    """A copy of `function` with a code object of its own. torch.compile keeps the graphs it builds
+    per code object, checked one after another at every call and capped at `recompile_limit`: one
+    copy per model keeps each model's few graphs apart, however many models a process compiles
+    (the benchmark suite compiles a dozen)."""
+    return FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
 
 
 def compile_options(device: torch.device) -> dict[str, object]:

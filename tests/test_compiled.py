@@ -62,3 +62,13 @@ def test_compile_without_a_compiler_names_the_fallback(monkeypatch: pytest.Monke
     llm = tiny_llama(layers=1, seed=0)
     with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .* or use compile=False"):
         SpeculativeDecoder(llm, [llm], compile=True)
+
+
+def test_every_model_keeps_its_compiled_graphs_apart() -> None:
+    """torch.compile caps the graphs of one code object (recompile_limit): each model's tree pass
+    is a copy of its own, so a process compiling many models (the benchmark suite) never falls
+    back to eager."""
+    llm, ssm = tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
+    calls = compilation.ModelCalls(llm.device, enabled=True)
+    codes = {id(calls.get(model)._torchdynamo_orig_callable.__code__) for model in (llm, ssm)}
+    assert len(codes) == 2 and calls.get(llm) is calls.get(llm)
