@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig
 
-from specboost.decoder.loop import BatchConfig, decode
+from specboost.decoder.loop import BatchConfig, LoopParts, decode
 from specboost.decoder.sequence import new_sequence
 from specboost.decoder.stats import DecodeStats, per_token_latency
 from specboost.decoder.validation import check_generate_arguments, output_vocab_size
-
-if TYPE_CHECKING:
-    from specboost.decoder.decoder import SpeculativeDecoder
 
 
 # Batched generate ------------------------------------------------------------------------------------
@@ -103,7 +99,7 @@ class BatchedOutput:
 class BatchedDecoder:
     """Batched `generate` for a `SpeculativeDecoder` (its models, strategy and rule)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, config: BatchConfig | None = None) -> None:
+    def __init__(self, decoder: LoopParts, config: BatchConfig | None = None) -> None:
         self.decoder = decoder
         self.config = config or BatchConfig()
 
@@ -162,7 +158,7 @@ def row_seeds(seed: int | None, rows: int) -> list[int | None]:
     return torch.randint(2**62, (rows,), generator=generator, device="cpu").tolist()
 
 
-def pad_token_id(decoder: SpeculativeDecoder, eos_ids: frozenset[int]) -> int:
+def pad_token_id(decoder: LoopParts, eos_ids: frozenset[int]) -> int:
     """What `generate` pads finished rows with: the pad token, else the (smallest) EOS token, else 0."""
     pad = decoder.llm.generation_config.pad_token_id
     if pad is None:

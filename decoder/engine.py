@@ -33,18 +33,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig
 
-from specboost.decoder.loop import BatchConfig, SequenceGroup
+from specboost.decoder.loop import BatchConfig, LoopParts, SequenceGroup
 from specboost.decoder.sequence import SequenceState, new_sequence
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.validation import check_generate_arguments, output_vocab_size
-
-if TYPE_CHECKING:
-    from specboost.decoder.decoder import SpeculativeDecoder
 
 
 @dataclass(frozen=True)
@@ -149,7 +145,7 @@ class Engine:
     doc. Use as a context manager, or call `close()`. While it runs, do not call
     `decoder.generate` from another thread (the engine copies the decoder's speculator)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, config: EngineConfig | None = None) -> None:
+    def __init__(self, decoder: LoopParts, config: EngineConfig | None = None) -> None:
         self.decoder = decoder
         self.config = config or EngineConfig()
         self._cond = threading.Condition()

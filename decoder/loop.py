@@ -18,21 +18,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from specboost.decoder.batch_drafting import batch_length_controller, make_drafting
-from specboost.decoder.sequence import SequenceState
+from specboost.decoder.compilation import ModelCalls
+from specboost.decoder.sequence import DecoderParts, SequenceState
 from specboost.decoder.stats import DecodeStats, PhaseTimer
-from specboost.decoder.verifiers import TreeVerifier
+from specboost.decoder.verifiers import TreeVerifier, Verifier
 from specboost.speculator.kv_cache import TreeCache, capacity_for
 from specboost.speculator.tree import ChainDraft, TokenTree
 
-if TYPE_CHECKING:
-    from specboost.decoder.decoder import SpeculativeDecoder
-
 CAPACITY_HEADROOM = 64  # positions a group's cache holds beyond its rows' longest text
+
+
+class LoopParts(DecoderParts, Protocol):
+    """What the loop takes from its `SpeculativeDecoder`: a sequence's parts, the verifier that
+    runs the LLM, and the compiled model calls."""
+
+    verifier: Verifier
+    calls: ModelCalls
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class SequenceGroup:
     (every verified token of a row but its root, the last one), the rows' drafting state and the
     group's length controller. The LLM reads new rows' prompts at their first verification."""
 
-    def __init__(self, decoder: SpeculativeDecoder, config: BatchConfig | None = None, rows: int = 2) -> None:
+    def __init__(self, decoder: LoopParts, config: BatchConfig | None = None, rows: int = 2) -> None:
         """`rows`: how many rows the group expects (a group of one row drafts with the decoder's
         own speculator, so that what it learns carries over to the next call)."""
         if rows > 1 and not isinstance(decoder.verifier, TreeVerifier):
@@ -191,9 +197,7 @@ class SequenceGroup:
         s.strategy = self.drafting.report(index)
 
 
-def decode(
-    decoder: SpeculativeDecoder, rows: list[SequenceState], config: BatchConfig | None = None
-) -> SequenceGroup:
+def decode(decoder: LoopParts, rows: list[SequenceState], config: BatchConfig | None = None) -> SequenceGroup:
     """Decode `rows` to the end as one group; returns the group (its timer and step counts)."""
     group = SequenceGroup(decoder, config, rows=len(rows))
     group.admit(rows)

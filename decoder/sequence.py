@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.generation_options import GenerationSettings, resolve
 from specboost.decoder.stats import DecodeStats
@@ -20,10 +20,24 @@ from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.validation import prompt_tokens
 from specboost.decoder.verify import Rule
 from specboost.speculator.sampling import LogitsToProbs
-from specboost.speculator.tree import TokenTree
+from specboost.speculator.speculation import Speculator
+from specboost.speculator.tree import DraftKind, TokenTree
 
-if TYPE_CHECKING:
-    from specboost.decoder.decoder import SpeculativeDecoder
+
+class RuleChecker(Protocol):
+    def check(self, kind: DraftKind, do_sample: bool, num_ssms: int) -> Rule:
+        """The lossless verification rule for these trees, or a ValueError saying what to change."""
+
+
+class DecoderParts(Protocol):
+    """What a sequence takes from its `SpeculativeDecoder` (a protocol, so that the modules the
+    decoder drives never import it)."""
+
+    llm: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    speculator: Speculator
+    verifier: RuleChecker
+    max_positions: int | None  # the LLM's context
 
 
 @dataclass
@@ -61,7 +75,7 @@ class SequenceState:
         return depth
 
 
-def sequence_rule(decoder: SpeculativeDecoder, do_sample: bool) -> Rule:
+def sequence_rule(decoder: DecoderParts, do_sample: bool) -> Rule:
     """The verification rule for a sequence, chosen and checked by the decoder's verifier; a
     ValueError says what to change when the combination is not lossless."""
     speculator = decoder.speculator
@@ -69,7 +83,7 @@ def sequence_rule(decoder: SpeculativeDecoder, do_sample: bool) -> Rule:
 
 
 def new_sequence(
-    decoder: SpeculativeDecoder,
+    decoder: DecoderParts,
     input_ids: torch.Tensor,  # [L], maybe left-padded
     attention_mask: torch.Tensor | None,  # [L]
     generation_config: GenerationConfig | None,

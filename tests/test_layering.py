@@ -1,7 +1,8 @@
 """The layers point one way (docs STYLE point 11): speculator is the ground floor and imports
 neither decoder nor training; the decoder never imports training; no module imports another's
-private (`_name`) names; no import cycles. Read from the source with `ast`: imports under
-`if TYPE_CHECKING:` never run and are left out."""
+private (`_name`) names; no import cycles, not even through imports for annotations only (`if
+TYPE_CHECKING:`): the modules the decoder drives take it as a protocol (`decoder/sequence.py`
+`DecoderParts`, `decoder/loop.py` `LoopParts`). Read from the source with `ast`."""
 
 from __future__ import annotations
 
@@ -23,12 +24,10 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path) -> list[tuple[str, str | None]]:
-    """(module, name) of every specboost import that runs: `from m import name` or `import m`."""
+    """(module, name) of every specboost import: `from m import name` or `import m`."""
     found: list[tuple[str, str | None]] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specboost"):
             found.extend((node.module, alias.name) for alias in node.names)
         elif isinstance(node, ast.Import):

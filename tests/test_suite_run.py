@@ -13,7 +13,7 @@ import torch
 from test_export_pool import make_boost
 from transformers import AutoModelForCausalLM
 
-from specboost.decoder.bench.methods import Models
+from specboost.decoder.bench.methods import Models, generate_method
 from specboost.decoder.bench.records import GREEDY
 from specboost.decoder.bench.suite import SuiteConfig
 from specboost.decoder.bench.workloads import Prompt, encode_batches
@@ -158,6 +158,18 @@ def test_methods_a_bare_pool_cannot_run_are_skipped_with_the_reason(tmp_path: Pa
     assert set(method_set.skipped) == {"learned", "sequoia"}
     assert "no match-length predictor" in method_set.skipped["learned"]
     assert "pool_chain" in {m.name for m in method_set.methods}
+
+
+def test_counting_plain_passes_leaves_no_hook_on_the_llm(tmp_path: Path) -> None:
+    """Plain `generate` runs count the LLM's passes through a forward hook that is there only while
+    they run: a hook left on the LLM would be traced into our compiled passes, which would then
+    guard on its count and recompile at every call (compiled rows measured ~2x too slow)."""
+    llm_dir, ssm_dirs = build_tiny_models(tmp_path / "tiny")
+    models = Models.load(str(llm_dir), ssms=tuple(map(str, ssm_dirs)))
+    probe = encode_batches([Prompt("Once upon a time", "test", 0)], models.tokenizer, 1, 16)[0]
+    plain = generate_method("plain", "llm.generate", models, 5, GREEDY)
+    result = plain.run(probe)
+    assert result.llm_steps == 5 and not models.llm._forward_hooks
 
 
 def test_the_batched_configuration_compares_static_batches_and_the_engine(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,12 +28,23 @@ STATIC_EAGER = {"cache_implementation": "static", "disable_compile": True}
 
 
 class ForwardCounter:
-    """Counts a model's forward passes (plain and HF assisted generation report no step count)."""
+    """Counts a model's forward passes while `counting` (plain and HF assisted generation report no
+    step count). The hook is on the model only then, and runs outside any compiled graph: a hook
+    traced into our compiled passes would guard on the count and recompile at every call."""
 
     def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
         self.count = 0
-        model.register_forward_hook(self.hook)
 
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        handle = self.model.register_forward_hook(self.hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @torch.compiler.disable
     def hook(self, *_: object) -> None:
         self.count += 1
 
@@ -134,7 +147,8 @@ def generate_method(
         if decoding.do_sample:
             torch.manual_seed(decoding.seed)
         start = time.perf_counter()
-        out = models.llm.generate(**batch, max_new_tokens=max_new, **decoding.options(), **kwargs)
+        with models.counter.counting():
+            out = models.llm.generate(**batch, max_new_tokens=max_new, **decoding.options(), **kwargs)
         rows = models.rows(out[:, batch.input_ids.shape[1] :])  # on the host: synchronised
         # LLM passes per sequence (a batched pass serves every row), as batched decoding counts them
         return MethodResult(
