@@ -15,11 +15,15 @@ BENCH_FLAGS ?= --max-new-tokens 64 --max-prompts 8 --repeats 3 --warmup 1 --thre
 PRESET ?= tiny
 OUT ?= $(ARTIFACTS)/reference-llm/$(PRESET)
 THREADS ?=
-# distill: the LLM writes continuations of the prompt set's train split (resumable; rerun to resume).
+# distill: the LLM writes continuations of the prompt set's train split (resumable; rerun to resume),
+# with the top-64 of its next-token distribution at every output token (--top-k-probs K; 0: off).
+# Sampled data: DISTILL_FLAGS="--do-sample --temperature 0.8 --num-samples 4 ..." (one row per sample).
 DISTILL_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
 DISTILL_PROMPTS ?= tinystories_openings
 DISTILL_FLAGS ?= --max-new-tokens 64 --batch-size 16
 # boost: collective boost-tuning of an SSM pool on the distilled data (resumable; rerun to resume).
+# BOOST_FLAGS="--loss ce|kl|tv|mix --boost-mode greedy|sampled ...": kl / tv / mix and the sampled
+# mode train on the distributions distill stored (ALGORITHMS.md section 15).
 BOOST_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
 BOOST_DISTILLED ?= $(ARTIFACTS)/distill/tinystories_openings
 BOOST_OUT ?= $(ARTIFACTS)/pool

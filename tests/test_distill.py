@@ -139,8 +139,25 @@ def test_resume_after_kill_loses_and_duplicates_nothing(
     config = make_config(llm, prompts)
     reference = load_distilled(distill(config, tmp_path / "ref") and tmp_path / "ref", keep_filtered=True)
 
-    # Kill while writing the third shard: two complete shards and a stray temporary file remain.
     out = tmp_path / "out"
+    kill_at_third_shard(config, out, monkeypatch)
+    assert not (out / "data.parquet").exists()
+
+    metadata = distill(dataclasses.replace(config, batch_size=2), out)  # batch size may change
+    assert metadata["counts"]["resumed_from"] == 6 and metadata["counts"]["generated_this_run"] == 5
+    resumed = load_distilled(out, keep_filtered=True)
+    assert resumed["id"] == reference["id"] and len(set(resumed["id"])) == 11
+    assert resumed["output_ids"] == reference["output_ids"]
+    assert not list(out.rglob(".*.tmp-*"))
+
+    # A rerun of a finished run generates nothing and keeps one row per prompt.
+    assert distill(config, out)["counts"]["generated_this_run"] == 0
+    assert len(load_distilled(out, keep_filtered=True)) == 11
+
+
+def kill_at_third_shard(config: DistillConfig, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `config` into `out`, killed while writing its third shard: two complete shards and a
+    stray temporary file remain."""
     real_write, written = distill_module.write_shard, []
 
     def dying_write(folder: Path, rows: list) -> Path:
@@ -153,19 +170,7 @@ def test_resume_after_kill_loses_and_duplicates_nothing(
     monkeypatch.setattr(distill_module, "write_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
         distill(config, out)
-    assert not (out / "data.parquet").exists()
     monkeypatch.setattr(distill_module, "write_shard", real_write)
-
-    metadata = distill(dataclasses.replace(config, batch_size=2), out)  # batch size may change
-    assert metadata["counts"]["resumed_from"] == 6 and metadata["counts"]["generated_this_run"] == 5
-    resumed = load_distilled(out, keep_filtered=True)
-    assert resumed["id"] == reference["id"] and len(set(resumed["id"])) == 11
-    assert resumed["output_ids"] == reference["output_ids"]
-    assert not list(out.rglob(".*.tmp-*"))
-
-    # A rerun of a finished run generates nothing and keeps one row per prompt.
-    assert distill(config, out)["counts"]["generated_this_run"] == 0
-    assert len(load_distilled(out, keep_filtered=True)) == 11
 
 
 def test_settings_mismatch_is_refused(llm: str, prompts: str, tmp_path: Path, capsys) -> None:
@@ -381,3 +386,100 @@ def test_a_malformed_jsonl_line_is_reported_with_file_and_line(llm: str, tmp_pat
     assert main(["--llm", llm, "--prompts", str(path), "--prompt-field", "question", "--out", str(out)]) == 2
     assert f"{path}:2: not valid JSON" in capsys.readouterr().err
     assert not (out / "run.json").exists()
+
+
+# ---------------------------------------------------------------- stored distributions (ALGORITHMS.md 15)
+
+
+@pytest.mark.parametrize("do_sample", [True, False], ids=["sampled", "greedy"])
+def test_top_k_distributions_match_a_direct_softmax(
+    llm: str, prompts: str, tmp_path: Path, do_sample: bool
+) -> None:
+    """Every output position stores the top-K of softmax(logits / T) of the LLM on the unpadded
+    text (what sampling at T draws from; a greedy run records it at --temperature), and the tail."""
+    out = tmp_path / "out"
+    config = make_config(llm, prompts, top_k_probs=8, temperature=0.7, do_sample=do_sample, seed=1)
+    metadata = distill(config, out)
+    model = AutoModelForCausalLM.from_pretrained(llm, dtype=torch.float32).eval()
+    rows = load_distilled(out, keep_filtered=True)
+    schema = pq.read_schema(out / "data.parquet")
+    assert str(schema.field("top_k_ids").type) == "list<element: list<element: int32>>"
+    assert str(schema.field("top_k_probs").type) == "list<element: list<element: halffloat>>"
+    assert str(schema.field("tail_prob").type) == "list<element: float>"
+    for row in rows:
+        prompt, output = row["prompt_ids"], row["output_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]  # [n, V]
+        p = torch.softmax(logits / 0.7, dim=-1)
+        ids = torch.tensor(row["top_k_ids"], dtype=torch.long)  # [n, 8]
+        probs, tail = torch.tensor(row["top_k_probs"]), torch.tensor(row["tail_prob"])
+        assert ids.shape == (len(output), 8) and tail.shape == (len(output),)
+        assert torch.allclose(p.gather(-1, ids), probs, atol=1e-3)  # float16 storage
+        assert (probs[:, :-1] >= probs[:, 1:]).all()  # most probable first
+        rest = p.scatter(-1, ids, 0.0).max(-1).values
+        assert (probs[:, -1] >= rest - 1e-4).all()  # nothing left out beats the stored ones
+        assert torch.allclose(tail, 1 - p.gather(-1, ids).sum(-1), atol=1e-5)
+        assert torch.allclose(tail, 1 - probs.sum(-1), atol=2e-3)
+    d = metadata["distributions"]
+    assert d["top_k"] == 8 and d["temperature"] == 0.7 and d["raw_bytes_per_token"] == 8 * 6 + 4
+    assert d["recorded_from"] == ("sampled outputs" if do_sample else "greedy outputs")
+    assert d["bytes_per_token"] > 0 and d["output_tokens"] == metadata["counts"]["output_tokens"]
+    assert json.loads((out / "run.json").read_text())["temperature"] == 0.7  # part of the identity
+
+
+def test_num_samples_rows_resume_without_duplicates(
+    llm: str, prompts: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(
+        llm, prompts, do_sample=True, num_samples=3, top_k_probs=4, shard_size=4, temperature=1.0
+    )
+    reference = load_distilled(distill(config, tmp_path / "ref") and tmp_path / "ref", keep_filtered=True)
+    out = tmp_path / "out"
+    kill_at_third_shard(config, out, monkeypatch)
+    metadata = distill(config, out)
+    assert metadata["counts"]["resumed_from"] == 8 and metadata["counts"]["generated_this_run"] == 25
+    rows = load_distilled(out, keep_filtered=True)
+    assert rows["id"] == reference["id"] and len(set(rows["id"])) == metadata["counts"]["rows"] == 33
+    assert Counter(row["id"] for row in read_shards(out, columns=["id"])) == Counter(rows["id"])
+    assert all(i == 3 * p + s for i, p, s in zip(rows["id"], rows["prompt_id"], rows["sample"], strict=True))
+    samples = {
+        p: sorted(s for q, s in zip(rows["prompt_id"], rows["sample"], strict=True) if q == p)
+        for p in rows["prompt_id"]
+    }
+    assert len(samples) == 11 and all(s == [0, 1, 2] for s in samples.values())
+    assert rows["output_ids"] == reference["output_ids"] and rows["top_k_probs"] == reference["top_k_probs"]
+    outputs = {
+        p: {tuple(o) for q, o in zip(rows["prompt_id"], rows["output_ids"], strict=True) if q == p}
+        for p in samples
+    }
+    assert any(len(texts) > 1 for texts in outputs.values())  # the samples of a prompt differ
+    assert metadata["counts"]["samples_per_prompt"] == 3 and metadata["counts"]["train_prompts"] == 11
+    with pytest.raises(ValueError, match=r"other settings.*top_k_probs: 4 -> 2"):
+        distill(dataclasses.replace(config, top_k_probs=2), out)
+
+
+def test_top_k_above_the_vocabulary_is_clamped_with_a_notice(
+    llm: str, prompts: str, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "out"
+    metadata = distill(make_config(llm, prompts), out)  # the default K = 64; the vocabulary has 25
+    assert "--top-k-probs 64 is more than the LLM's vocabulary (25 tokens)" in capsys.readouterr().out
+    assert metadata["distributions"]["top_k"] == metadata["config"]["top_k_probs"] == 25
+    rows = load_distilled(out, keep_filtered=True)
+    assert all(t == 0 for tails in rows["tail_prob"] for t in tails)  # the whole vocabulary is stored
+    assert all(abs(sum(p) - 1) < 5e-3 for probs in rows["top_k_probs"] for p in probs)
+    # A run made without distributions (as before --top-k-probs existed) resumes only without them.
+    with pytest.raises(ValueError, match=r"top_k_probs: 25 -> 0"):
+        distill(make_config(llm, prompts, top_k_probs=0), out)
+
+
+def test_distribution_settings_are_checked(llm: str, prompts: str, tmp_path: Path, capsys) -> None:
+    argv = ["--llm", llm, "--prompts", prompts, "--prompt-field", "question", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--num-samples", "2"]) == 2
+    assert "--num-samples 2 needs --do-sample" in capsys.readouterr().err
+    assert main([*argv, "--top-k-probs", "-1"]) == 2
+    assert "top_k_probs must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    off = distill(make_config(llm, prompts, top_k_probs=0), tmp_path / "off")
+    assert off["distributions"] is None
+    assert "top_k_ids" not in load_distilled(tmp_path / "off").column_names

@@ -22,18 +22,50 @@ match is rare and sample marking may mark nothing (then every SSM trains on the 
 the seed differs); span marking marks from the first round, but its later SSMs see only the hard
 positions and score lower on their own.
 
-A held-out split of the distilled data (never trained on, nor marked) scores each round:
+Losses (`--loss`, training/distribution_loss.py, ALGORITHMS.md section 15), on output positions only:
+`ce` (default) is next-token cross-entropy on the LLM's tokens, as above; `kl` is the forward
+KL(p || q) and `tv` the total variation TV(p, q) against the LLM's stored top-K distribution with
+the tail as one bucket (distill `--top-k-probs`), with q = softmax(logits / T) at the temperature T
+p was recorded at; `mix` is CE + `--mix-weight` x KL. Training uses a Trainer subclass
+(`DistributionTrainer`) whose collator pads the stored top-K tensors.
+
+Boost modes (`--boost-mode`):
+- `greedy` (default): the marking above (ALGORITHMS.md section 4).
+- `sampled` (section 15, "Boosting for sampling"): no sample is removed. After SSM i is trained,
+  every output position of the training data gets the pool's expected one-token acceptance under
+  speculative sampling, a_t = max over members j <= i of (1 - TV_b(p, q_j)), with the bucketed
+  TV_b. TV_b is a lower bound of the true TV (the tail's differences can cancel inside the
+  bucket), so a_t is an upper bound of the best member's true acceptance, exact where p's tail is
+  empty; and the max over members is a lower bound of what the pool reaches when every member
+  drafts (multi-step sampling tries them in turn). SSM i + 1 trains on every position with loss
+  weight w_t = (1 - a_t) / mean(1 - a) over all training positions: proportional to the
+  probability that the pool's best draft is rejected there (a position the pool already serves
+  surely gets weight 0, the sampled analogue of a marked sample), normalised to mean 1 so that the
+  loss scale and the learning rate mean what they meant in round 0 (all ones if the pool accepts
+  everywhere). The acceptances are saved per round (round-<i>/pool_acceptance.npy), so a resumed
+  run trains with exactly the weights it would have used. Needs the stored distributions; any
+  `--loss` applies (the weights multiply it).
+Losses and modes that need the stored distributions refuse data without them (exit 2), naming the
+distill command that records them.
+
+A held-out split of the distilled data (never trained on, nor marked; all samples of a held-out
+prompt) scores each round:
 - greedy acceptance: at every output position t, the length of the greedy chain of `chain` (4)
   drafts from the LLM's prefix that match the LLM's tokens in a row. By the argument above this is
   the run of correct teacher-forced argmaxes starting at t, capped at `chain` (and at the end of the
   output); `held_out_mean_match_length` is its mean, `held_out_acceptance` the accepted fraction of
   the drafted tokens;
-- pool coverage: the fraction of output positions where ANY SSM so far predicts the LLM's token.
+- pool coverage: the fraction of output positions where ANY SSM so far predicts the LLM's token;
+- sampled acceptance, when the data holds the LLM's distributions: the mean over output positions
+  of 1 - TV_b(p, q) of this SSM (`held_out_sampled_acceptance`) and of the pool's best member
+  (`pool_sampled_acceptance`), q at the temperature p was recorded at.
 
 OUT: ssm-<i>/ (save_pretrained: model + the LLM's tokenizer), round-<i>/checkpoints/ (Trainer),
-boost_state.json (settings, held-out ids, completed rounds and their marks; atomic), boost_record.json
-(atomic), coverage.png. A killed run resumes by rerunning the same command: completed rounds are
-skipped and a partly trained round resumes from its last checkpoint. `--num-ssms` may grow.
+round-<i>/pool_acceptance.npy (sampled mode), boost_state.json (settings, held-out ids, completed
+rounds and their marks; atomic), boost_record.json (atomic; with `boost_mode`, `loss` and
+`target_temperature`, the temperature the trained-on p was recorded at, null for CE),
+coverage.png. A killed run resumes by rerunning the same command: completed rounds are skipped and
+a partly trained round resumes from its last checkpoint. `--num-ssms` may grow.
 """
 
 from __future__ import annotations
@@ -47,11 +79,13 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import peft
 import torch
 import transformers
@@ -71,11 +105,19 @@ from transformers.integrations import unset_hf_deepspeed_config
 
 from specboost.speculator.loading import load_causal_lm, load_config, load_tokenizer
 from specboost.training.distill import load_distilled
+from specboost.training.distribution_loss import LOSSES, position_losses, sampled_acceptance
 from specboost.training.reference_llm import last_checkpoint
 from specboost.training.run_files import library_versions, write_json_atomic
+from specboost.training.target_distributions import PositionTargets, distribution_info, load_targets
 
 STATE_FILE, RECORD_FILE, PLOT_FILE = "boost_state.json", "boost_record.json", "coverage.png"
+ACCEPTANCE_FILE = "pool_acceptance.npy"  # round-<i>/: the pool's acceptance at every training position
 MARKINGS = ("sample", "span")
+BOOST_MODES = ("greedy", "sampled")
+DISTILL_HINT = (
+    'make distill DISTILL_FLAGS="--top-k-probs 64 --do-sample --temperature 0.8 ..." '
+    "(or python -m specboost.training.distill --llm LLM --prompts PROMPTS --top-k-probs 64 ...)"
+)
 SSM_PRESETS = {"tenth": 0.1, "fifth": 0.2, "twentieth": 0.05}  # SSM parameters / LLM parameters
 
 
@@ -86,8 +128,11 @@ class BoostConfig:
     num_ssms: int = 3  # may grow between resumes
     ssm_base: str | None = None  # small HF causal LM to start every SSM from (None: a fresh config)
     ssm_config: str = "tenth"  # SSM_PRESETS key, used when ssm_base is None
-    marking: str = "sample"  # "sample" (SpecInfer) or "span"
+    marking: str = "sample"  # "sample" (SpecInfer) or "span"; greedy boost mode only
     span_depth: int = 4  # d of span marking
+    boost_mode: str = "greedy"  # "greedy" (marking, section 4) or "sampled" (acceptance weights, section 15)
+    loss: str = "ce"  # "ce" (the LLM's tokens), "kl" / "tv" (its stored distributions), "mix" (ce + kl)
+    mix_weight: float = 1.0  # w of loss "mix" = CE + w KL
     chain: int = 4  # greedy chain length scored on the held-out split
     held_out_fraction: float = 0.1
     seed: int = 0
@@ -109,6 +154,12 @@ class BoostConfig:
     def __post_init__(self) -> None:
         if self.marking not in MARKINGS:
             raise ValueError(f"marking must be one of {', '.join(MARKINGS)}, got {self.marking!r}")
+        if self.boost_mode not in BOOST_MODES:
+            raise ValueError(f"boost_mode must be one of {', '.join(BOOST_MODES)}, got {self.boost_mode!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not self.mix_weight >= 0:
+            raise ValueError(f"mix_weight must be >= 0, got {self.mix_weight}")
         if self.ssm_base is None and self.ssm_config not in SSM_PRESETS:
             raise ValueError(f"ssm_config must be one of {', '.join(SSM_PRESETS)}, got {self.ssm_config!r}")
         if min(self.num_ssms, self.span_depth, self.chain, self.batch_size, self.grad_accum_steps) < 1:
@@ -119,8 +170,21 @@ class BoostConfig:
             raise ValueError("give epochs > 0 or max_steps > 0")
 
     def identity(self) -> dict[str, Any]:
-        """Settings a resume must share (more SSMs and a new eval batch size are fine)."""
-        return {k: v for k, v in asdict(self).items() if k not in {"num_ssms", "eval_batch_size"}}
+        """Settings a resume must share (more SSMs and a new eval batch size are fine). Settings at
+        their defaults from before they existed are left out, so older runs still resume."""
+        free = {"num_ssms", "eval_batch_size"}
+        if self.loss != "mix":
+            free.add("mix_weight")
+        if self.loss == "ce":
+            free.add("loss")
+        if self.boost_mode == "greedy":
+            free.add("boost_mode")
+        return {k: v for k, v in asdict(self).items() if k not in free}
+
+    @property
+    def needs_distributions(self) -> bool:
+        """Whether training uses the LLM's stored distributions (a distribution loss or sampled mode)."""
+        return self.loss != "ce" or self.boost_mode == "sampled"
 
     @property
     def base_name(self) -> str:
@@ -179,11 +243,49 @@ def fit(prompt: list[int], output: list[int], max_len: int | None) -> tuple[list
 
 
 def load_rows(distilled: str) -> list[dict[str, Any]]:
-    rows = load_distilled(distilled).select_columns(["id", "prompt_ids", "output_ids"]).to_list()
+    """id, prompt_ids, output_ids (and prompt_id where distill recorded one) of the kept rows."""
+    data = load_distilled(distilled)
+    columns = ["id", "prompt_ids", "output_ids"] + (["prompt_id"] if "prompt_id" in data.column_names else [])
+    rows = data.select_columns(columns).to_list()
     rows = [r for r in rows if r["prompt_ids"] and r["output_ids"]]
     if not rows:
         raise ValueError(f"{distilled} holds no usable distilled samples: rerun distill with more prompts")
     return rows
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The LLM's stored distributions of the distilled rows (training/target_distributions.py)."""
+
+    rows: dict[int, PositionTargets]  # row id -> top-K ids / probs / tail per output position
+    temperature: float  # the temperature p was recorded at (q is trained and scored at it too)
+    info: dict[str, Any]  # metadata.json's "distributions" entry
+
+    def identity(self) -> dict[str, Any]:
+        return {k: self.info.get(k) for k in ("top_k", "temperature", "top_p", "recorded_from")}
+
+
+def load_row_targets(config: BoostConfig, rows: list[dict[str, Any]]) -> Targets | None:
+    """The stored distributions, when the data has them; refused when training needs them and
+    the data has none (before anything is written)."""
+    info = distribution_info(config.distilled)
+    if info is None:
+        if config.needs_distributions:
+            what = f"--loss {config.loss}" if config.loss != "ce" else f"--boost-mode {config.boost_mode}"
+            raise ValueError(
+                f"{what} trains on the LLM's stored next-token distributions, and the distilled data "
+                f"{config.distilled} has none: distill again with them, e.g. {DISTILL_HINT}"
+            )
+        return None
+    found = load_targets(config.distilled, {r["id"] for r in rows})
+    for r in rows:
+        stored = found.get(r["id"])
+        if stored is None or stored.tail.shape[0] != len(r["output_ids"]):
+            raise ValueError(
+                f"{config.distilled}: the stored distributions of row {r['id']} do not match its output "
+                "tokens: regenerate the distilled data"
+            )
+    return Targets(found, float(info["temperature"]), info)
 
 
 def data_digest(rows: list[dict[str, Any]]) -> str:
@@ -194,36 +296,69 @@ def data_digest(rows: list[dict[str, Any]]) -> str:
 
 
 def split_held_out(rows: list[dict[str, Any]], fraction: float, seed: int) -> list[int]:
-    """Ids of the held-out rows: a seeded shuffle, at least one, leaving at least one to train on."""
-    if len(rows) < 2:
-        raise ValueError(f"need at least 2 distilled samples (one held out), got {len(rows)}")
-    ids = sorted(r["id"] for r in rows)
-    random.Random(seed).shuffle(ids)
-    count = min(len(ids) - 1, max(1, round(fraction * len(ids))))
-    return sorted(ids[:count])
+    """Ids of the held-out rows: a seeded shuffle of the prompts, at least one, leaving at least one
+    to train on. Every sample of a held-out prompt is held out (`--num-samples` writes several)."""
+    prompt_of = {r["id"]: r.get("prompt_id", r["id"]) for r in rows}
+    prompts = sorted(set(prompt_of.values()))
+    if len(prompts) < 2:
+        raise ValueError(f"need distilled samples of at least 2 prompts (one held out), got {len(prompts)}")
+    random.Random(seed).shuffle(prompts)
+    count = min(len(prompts) - 1, max(1, round(fraction * len(prompts))))
+    held = set(prompts[:count])
+    return sorted(i for i, p in prompt_of.items() if p in held)
 
 
 def training_examples(
-    rows: list[dict[str, Any]], masked: dict[int, set[int]], max_len: int | None
-) -> datasets.Dataset:
-    """input_ids = prompt + output; labels = -100 on the prompt and on masked output positions."""
-    examples: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+    rows: list[dict[str, Any]],
+    masked: dict[int, set[int]],
+    max_len: int | None,
+    weights: dict[int, torch.Tensor] | None = None,
+    targets: Targets | None = None,
+) -> datasets.Dataset | ExampleSet:
+    """input_ids = prompt + output; labels = -100 on the prompt and on masked output positions.
+    With per-position `weights` ([n_out] per row id) or the stored distributions (`targets`),
+    the examples carry them too, cut to the kept output positions (an ExampleSet of tensors)."""
+    examples: list[dict[str, Any]] = []
     for r in rows:
         prompt, output = fit(r["prompt_ids"], r["output_ids"], max_len)
         gone = masked.get(r["id"], set())
         labels = [-100] * len(prompt) + [-100 if k in gone else t for k, t in enumerate(output)]
-        examples["input_ids"].append(prompt + output)
-        examples["labels"].append(labels)
-    return datasets.Dataset.from_dict(examples)
+        example: dict[str, Any] = {"input_ids": prompt + output, "labels": labels}
+        if weights is not None:
+            example["weights"] = weights[r["id"]][: len(output)].float()
+        if targets is not None:
+            stored = targets.rows[r["id"]]
+            example["target_ids"] = torch.from_numpy(stored.ids[: len(output)].astype(np.int64))
+            example["target_probs"] = torch.from_numpy(stored.probs[: len(output)].astype(np.float32))
+            example["target_tail"] = torch.from_numpy(stored.tail[: len(output)].astype(np.float32))
+        examples.append(example)
+    if weights is None and targets is None:
+        return datasets.Dataset.from_dict({k: [e[k] for e in examples] for k in ("input_ids", "labels")})
+    return ExampleSet(examples)
+
+
+class ExampleSet(torch.utils.data.Dataset):
+    """Training examples holding tensors (per-position weights, stored distributions)."""
+
+    def __init__(self, examples: list[dict[str, Any]]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.examples[index]
 
 
 class PadCollator:
-    """Right padding: input_ids with pad_id, labels with -100, attention_mask 0."""
+    """Right padding: input_ids with pad_id, labels with -100, attention_mask 0. Per-output-position
+    weights and stored distributions, when the examples hold them, are placed at their labels'
+    positions (the output starts after the prompt: where the labels stop being -100 at first)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
 
-    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(b["input_ids"]) for b in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [B, T]
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -235,7 +370,34 @@ class PadCollator:
                 torch.tensor(b["labels"]),
                 1,
             )
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        collated = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if "weights" in batch[0]:
+            collated["weights"] = torch.zeros((len(batch), width))  # [B, T]
+            for i, b in enumerate(batch):
+                start = len(b["input_ids"]) - b["weights"].shape[0]
+                collated["weights"][i, start : len(b["input_ids"])] = b["weights"]
+        if "target_ids" in batch[0]:
+            top_k = batch[0]["target_ids"].shape[-1]
+            collated["target_ids"] = torch.zeros((len(batch), width, top_k), dtype=torch.long)  # [B, T, K]
+            collated["target_probs"] = torch.zeros((len(batch), width, top_k))
+            collated["target_tail"] = torch.zeros((len(batch), width))  # [B, T]
+            for i, b in enumerate(batch):
+                start, end = len(b["input_ids"]) - b["target_tail"].shape[0], len(b["input_ids"])
+                collated["target_ids"][i, start:end] = b["target_ids"]
+                collated["target_probs"][i, start:end] = b["target_probs"]
+                collated["target_tail"][i, start:end] = b["target_tail"]
+        return collated
+
+
+def acceptance_weights(pool_acceptance: dict[int, torch.Tensor], rows: list[dict[str, Any]]) -> dict:
+    """Per-position loss weights of the next SSM in sampled boost mode: proportional to 1 - the
+    pool's acceptance there, normalised to mean 1 over every output position of `rows`; all ones
+    when the pool already accepts everything."""
+    rejection = {r["id"]: (1.0 - pool_acceptance[r["id"]]).clamp(min=0.0) for r in rows}
+    mean = float(torch.cat(list(rejection.values())).mean()) if rejection else 0.0
+    if mean <= 0:
+        return {k: torch.ones_like(v) for k, v in rejection.items()}
+    return {k: v / mean for k, v in rejection.items()}
 
 
 # ---------------------------------------------------------------- SSM setup
@@ -392,24 +554,77 @@ def save_ssm(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, lora: bool, f
     trainer.accelerator.wait_for_everyone()
 
 
+class DistributionTrainer(Trainer):
+    """A Trainer whose loss is `distribution_loss.position_losses` of kind `loss` (ce / kl / tv /
+    mix) at the output positions (labels != -100), each weighted by the batch's "weights" when
+    present (sampled boost mode), summed and divided by the number of trained positions.
+
+    The sum is divided by `num_items_in_batch` (the labelled positions of the whole accumulated
+    batch, over every process) when the Trainer counts them, as transformers' own causal-LM loss
+    does, so the loss is already scaled for gradient accumulation; else by this micro-batch's
+    positions and the accumulation steps."""
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, loss: str, temperature: float | None, mix_weight: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.loss_kind, self.temperature, self.mix_weight = loss, temperature, mix_weight
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        labels = inputs["labels"][:, 1:]  # [B, T-1]: position j's logits predict token j + 1
+        valid = labels != -100
+        logits = outputs.logits[:, :-1][valid]  # [N, V]
+        targets = None
+        if "target_ids" in inputs:
+            targets = tuple(inputs[k][:, 1:][valid] for k in ("target_ids", "target_probs", "target_tail"))
+        losses = position_losses(
+            self.loss_kind, logits, labels[valid], targets, self.temperature, self.mix_weight
+        )  # [N]
+        if "weights" in inputs:
+            losses = losses * inputs["weights"][:, 1:][valid]
+        if num_items_in_batch is not None:
+            loss = losses.sum() / num_items_in_batch
+            if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+                loss = loss * self.accelerator.num_processes  # DDP averages the gradients
+        else:
+            steps = getattr(self, "current_gradient_accumulation_steps", 1)
+            loss = losses.sum() / valid.sum().clamp(min=1) / steps
+        return (loss, outputs) if return_outputs else loss
+
+
 def train_round(
     config: BoostConfig,
     round_index: int,
-    train_set: datasets.Dataset,
+    train_set: datasets.Dataset | ExampleSet,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     out: Path,
+    temperature: float | None = None,
 ) -> tuple[int, float | None]:
-    """Train (or resume) one SSM and save it to OUT/ssm-<i>; returns (steps, final logged loss)."""
+    """Train (or resume) one SSM and save it to OUT/ssm-<i>; returns (steps, final logged loss).
+    Examples with weights or stored distributions (an ExampleSet) train with DistributionTrainer
+    (q at `temperature`, the one p was recorded at); plain ones with the model's own loss."""
     checkpoints = out / f"round-{round_index}" / "checkpoints"
     resume = last_checkpoint(checkpoints)
-    trainer = Trainer(
+    common = dict(
         model=model,
         args=training_arguments(config, checkpoints, round_index, len(train_set)),
         train_dataset=train_set,
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
     )
+    if isinstance(train_set, ExampleSet):
+        extra = dict(loss=config.loss, temperature=temperature, mix_weight=config.mix_weight)
+        trainer: Trainer = DistributionTrainer(**common, **extra)
+    else:
+        trainer = Trainer(**common)
     finished = resume is not None and finished_checkpoint(resume)
     if finished:  # killed after training: Trainer.train would take one step too many from here
         trainer._load_from_checkpoint(str(resume))
@@ -432,23 +647,59 @@ def finished_checkpoint(checkpoint: Path) -> bool:
     return state["global_step"] >= state["max_steps"] > 0
 
 
-@torch.no_grad()
-def output_hits(
+def teacher_forced(
     model: PreTrainedModel, rows: list[dict[str, Any]], pad_id: int, batch_size: int, desc: str
-) -> dict[int, torch.Tensor]:
-    """id -> [n_out] bool: the model's teacher-forced greedy prediction of each LLM output token."""
+) -> Iterator[tuple[list[dict[str, Any]], torch.Tensor, torch.Tensor, list[int], list[int]]]:
+    """(rows, input_ids [B, T], logits [B, T, V], prompt lengths, output lengths) per batch of
+    `rows`, each fitted to the model's context."""
     model.eval()
     device, max_len = next(model.parameters()).device, context_of(model)
-    hits: dict[int, torch.Tensor] = {}
     for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
         batch = rows[start : start + batch_size]
         pairs = [fit(r["prompt_ids"], r["output_ids"], max_len) for r in batch]
         collated = PadCollator(pad_id)([{"input_ids": p + o, "labels": p + o} for p, o in pairs])
         ids = collated["input_ids"].to(device)  # [B, T]
-        logits = model(input_ids=ids, attention_mask=collated["attention_mask"].to(device)).logits
-        found = hits_from_logits(logits, ids, [len(p) for p, _ in pairs], [len(o) for _, o in pairs])
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=collated["attention_mask"].to(device)).logits
+        yield batch, ids, logits, [len(p) for p, _ in pairs], [len(o) for _, o in pairs]
+
+
+def output_hits(
+    model: PreTrainedModel, rows: list[dict[str, Any]], pad_id: int, batch_size: int, desc: str
+) -> dict[int, torch.Tensor]:
+    """id -> [n_out] bool: the model's teacher-forced greedy prediction of each LLM output token."""
+    hits: dict[int, torch.Tensor] = {}
+    for batch, ids, logits, prompt_lens, output_lens in teacher_forced(model, rows, pad_id, batch_size, desc):
+        found = hits_from_logits(logits, ids, prompt_lens, output_lens)
         hits.update({r["id"]: h for r, h in zip(batch, found, strict=True)})
     return hits
+
+
+def output_acceptance(
+    model: PreTrainedModel,
+    rows: list[dict[str, Any]],
+    targets: Targets,
+    pad_id: int,
+    batch_size: int,
+    desc: str,
+) -> dict[int, torch.Tensor]:
+    """id -> [n_out] float: 1 - TV_b(p, q) at each output position, q = softmax(logits / T) at the
+    targets' temperature (distribution_loss.py; positions cut by the context score 0)."""
+    found: dict[int, torch.Tensor] = {}
+    for batch, _, logits, prompt_lens, output_lens in teacher_forced(model, rows, pad_id, batch_size, desc):
+        for b, (r, p, n) in enumerate(zip(batch, prompt_lens, output_lens, strict=True)):
+            stored = targets.rows[r["id"]]
+            device = logits.device
+            accepted = sampled_acceptance(
+                logits[b, p - 1 : p + n - 1],
+                torch.from_numpy(stored.ids[:n].astype(np.int64)).to(device),
+                torch.from_numpy(stored.probs[:n].astype(np.float32)).to(device),
+                torch.from_numpy(stored.tail[:n].astype(np.float32)).to(device),
+                targets.temperature,
+            )
+            found[r["id"]] = torch.zeros(len(r["output_ids"]))
+            found[r["id"]][:n] = accepted.cpu()
+    return found
 
 
 def load_ssm(path: Path) -> PreTrainedModel:
@@ -522,21 +773,36 @@ def plot_coverage(rounds: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(x, [r["pool_coverage"] for r in rounds], "o-", label="pool (any SSM so far)")
     ax.bar(x, [r["single_coverage"] for r in rounds], alpha=0.4, label="this SSM alone")
-    ax.set(xlabel="SSMs in the pool", ylabel="held-out next-token coverage", ylim=(0, 1), xticks=x)
+    ylabel = "held-out next-token coverage"
+    if all(r.get("pool_sampled_acceptance") is not None for r in rounds):
+        sampled = [r["pool_sampled_acceptance"] for r in rounds]
+        ax.plot(x, sampled, "s--", label="pool sampled acceptance (1 - TV)")
+        ylabel = "held-out coverage / acceptance"
+    ax.set(xlabel="SSMs in the pool", ylabel=ylabel, ylim=(0, 1), xticks=x)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_outputs(config: BoostConfig, state: dict[str, Any], out: Path) -> dict[str, Any]:
+def write_outputs(
+    config: BoostConfig, state: dict[str, Any], out: Path, targets: Targets | None = None
+) -> dict[str, Any]:
+    greedy = config.boost_mode == "greedy"
     record = {
         "llm": config.llm,
         "distilled": config.distilled,
         "base": config.base_name,
-        "marking": config.marking,
-        "span_depth": config.span_depth if config.marking == "span" else None,
-        "marked_unit": "samples" if config.marking == "sample" else "positions",
+        "boost_mode": config.boost_mode,
+        "loss": config.loss,
+        "mix_weight": config.mix_weight if config.loss == "mix" else None,
+        # the temperature of the p the SSMs were trained on (None: trained on the LLM's tokens only)
+        "target_temperature": targets.temperature if targets and config.needs_distributions else None,
+        # the temperature of the held-out sampled acceptance (None: the data holds no distributions)
+        "sampled_scoring_temperature": targets.temperature if targets else None,
+        "marking": config.marking if greedy else None,
+        "span_depth": config.span_depth if greedy and config.marking == "span" else None,
+        "marked_unit": ("samples" if config.marking == "sample" else "positions") if greedy else None,
         "chain": config.chain,
         "rounds": state["rounds"],
         "held_out_ids": state["held_out_ids"],
@@ -574,50 +840,79 @@ def setup(config: BoostConfig) -> tuple[PreTrainedTokenizerBase, LlamaConfig | N
 
 def boost(config: BoostConfig, out: Path) -> dict[str, Any]:
     """Train (or resume) the pool in `out`; returns boost_record.json's content."""
-    # 1. Setup: tokenizer, SSM config, the data and its held-out split, the saved state.
+    # 1. Setup: tokenizer, SSM config, the data (and its stored distributions) and its held-out
+    #    split, the saved state. Refusals come before anything is written.
     tokenizer, ssm_config, rows = setup(config)
+    targets = load_row_targets(config, rows)
     pad, batch = tokenizer.pad_token_id, config.eval_batch_size
     held_ids = split_held_out(rows, config.held_out_fraction, config.seed)
     held = [r for r in rows if r["id"] in set(held_ids)]
     train_rows = [r for r in rows if r["id"] not in set(held_ids)]
     out.mkdir(parents=True, exist_ok=True)
-    state = load_state(out, {**config.identity(), "data": data_digest(rows)}, held_ids)
+    identity = {**config.identity(), "data": data_digest(rows)}
+    if config.needs_distributions and targets is not None:
+        identity["targets"] = targets.identity()
+    state = load_state(out, identity, held_ids)
     removed = set(state["removed"])
     masked = {int(k): set(v) for k, v in state["masked"].items()}
     main_process = int(os.environ.get("RANK", "0")) == 0
-    pool_hits: dict[int, torch.Tensor] | None = None  # held-out positions any SSM so far predicts
+    sampled = config.boost_mode == "sampled"
+    pool: HeldOutPool | None = None  # held-out positions any SSM so far predicts / accepts
+    pool_train: dict[int, torch.Tensor] | None = None  # sampled mode: the pool's training acceptance
 
     for i in range(config.num_ssms):
         if i < len(state["rounds"]):
             print(f"[boost] round {i}: done ({out / f'ssm-{i}'}), skipped")
             continue
-        if pool_hits is None:  # first round of this run: the earlier SSMs' held-out predictions
-            pool_hits = {r["id"]: torch.zeros(len(r["output_ids"]), dtype=torch.bool) for r in held}
+        if pool is None:  # first round of this run: the earlier SSMs' held-out predictions
+            pool = HeldOutPool(held, targets)
             for j in range(i):
-                add_hits(pool_hits, output_hits(load_ssm(out / f"ssm-{j}"), held, pad, batch, f"ssm-{j}"))
-        # 2. Train SSM i on what no earlier SSM reproduces.
-        active = [r for r in train_rows if r["id"] not in removed]
+                pool.add(load_ssm(out / f"ssm-{j}"), pad, batch, f"ssm-{j}")
+        if sampled and pool_train is None and i > 0:
+            pool_train = load_acceptance(out / f"round-{i - 1}" / ACCEPTANCE_FILE, train_rows)
+        # 2. Train SSM i on what no earlier SSM reproduces (greedy), or on every training sample
+        #    weighted by how badly the pool serves each position (sampled).
+        active = train_rows if sampled else [r for r in train_rows if r["id"] not in removed]
         if not active:
             print(f"[boost] every training sample is marked after {i} SSMs: the pool stops at {i}")
             break
         model = build_ssm(config, ssm_config, i)
-        train_set = training_examples(active, masked, context_of(model))
+        weights = acceptance_weights(pool_train, train_rows) if pool_train is not None else None
+        train_targets = targets if config.loss != "ce" else None
+        train_set = training_examples(active, masked, context_of(model), weights, train_targets)
         print(f"[boost] round {i}: training ssm-{i} on {len(active)} samples", flush=True)
-        steps, loss = train_round(config, i, train_set, model, tokenizer, out)
+        temperature = targets.temperature if targets is not None else None
+        steps, loss = train_round(config, i, train_set, model, tokenizer, out, temperature)
         del model
-        # 3. Mark what it reproduces.
         ssm = load_ssm(out / f"ssm-{i}")
-        marked = mark(config, output_hits(ssm, active, pad, batch, f"ssm-{i} mark"), masked, removed)
+        # 3. Mark what it reproduces (greedy), or score the pool's acceptance at every training
+        #    position for the next round's weights (sampled; saved: part of the resumable state).
+        progress: dict[str, Any]
+        if sampled:
+            assert targets is not None  # load_row_targets refused the data otherwise
+            accepted = output_acceptance(ssm, train_rows, targets, pad, batch, f"ssm-{i} acceptance")
+            pool_train = accepted if pool_train is None else pool_max(pool_train, accepted)
+            if main_process:
+                save_acceptance(out / f"round-{i}" / ACCEPTANCE_FILE, pool_train, train_rows)
+            progress = {
+                "marked": None,
+                "remaining_samples": len(train_rows),
+                "train_pool_sampled_acceptance": float(torch.cat(list(pool_train.values())).mean()),
+            }
+        else:
+            marked = mark(config, output_hits(ssm, active, pad, batch, f"ssm-{i} mark"), masked, removed)
+            progress = {
+                "marked": marked,
+                "remaining_samples": sum(r["id"] not in removed for r in train_rows),
+            }
         # 4. Score it and the pool on the held-out split; record the round.
-        held_hits = output_hits(ssm, held, pad, batch, f"ssm-{i} held-out")
-        add_hits(pool_hits, held_hits)
+        scores = pool.add(ssm, pad, batch, f"ssm-{i} held-out", config.chain)
         r = {
             "ssm": i,
             "path": f"ssm-{i}",
             "train_samples": len(active),
-            "marked": marked,
-            "remaining_samples": sum(r["id"] not in removed for r in train_rows),
-            **held_out_scores(held_hits, pool_hits, config.chain),
+            **progress,
+            **scores,
             "steps": steps,
             "final_loss": loss,
             "parameters": sum(p.numel() for p in ssm.parameters()),
@@ -627,13 +922,85 @@ def boost(config: BoostConfig, out: Path) -> dict[str, Any]:
         state["masked"] = {str(k): sorted(v) for k, v in masked.items() if v}
         if main_process:
             write_json_atomic(out / STATE_FILE, state)
-            write_outputs(config, state, out)
-        tqdm.write(
-            f"[boost] ssm-{i}: loss {loss:.3f}, marked {marked}, held-out acceptance "
-            f"{r['held_out_acceptance']:.3f} (mean match {r['held_out_mean_match_length']:.2f}"
-            f"/{config.chain}), coverage alone {r['single_coverage']:.3f}, pool {r['pool_coverage']:.3f}"
+            write_outputs(config, state, out, targets)
+        tqdm.write(round_line(config, r))
+    return write_outputs(config, state, out, targets) if main_process else {}
+
+
+def round_line(config: BoostConfig, r: dict[str, Any]) -> str:
+    done = (
+        f"pool training acceptance {r['train_pool_sampled_acceptance']:.3f}"
+        if r.get("train_pool_sampled_acceptance") is not None
+        else f"marked {r['marked']}"
+    )
+    line = (
+        f"[boost] ssm-{r['ssm']}: loss {r['final_loss']:.3f}, {done}, held-out acceptance "
+        f"{r['held_out_acceptance']:.3f} (mean match {r['held_out_mean_match_length']:.2f}"
+        f"/{config.chain}), coverage alone {r['single_coverage']:.3f}, pool {r['pool_coverage']:.3f}"
+    )
+    if r.get("held_out_sampled_acceptance") is not None:
+        line += (
+            f"; sampled acceptance (1 - TV) alone {r['held_out_sampled_acceptance']:.3f}, "
+            f"pool {r['pool_sampled_acceptance']:.3f}"
         )
-    return write_outputs(config, state, out) if main_process else {}
+    return line
+
+
+class HeldOutPool:
+    """The held-out split's running pool scores: positions any SSM so far predicts (greedy), and
+    the best member's sampled acceptance 1 - TV_b at each position (when the data has p)."""
+
+    def __init__(self, held: list[dict[str, Any]], targets: Targets | None) -> None:
+        self.held, self.targets = held, targets
+        self.hits = {r["id"]: torch.zeros(len(r["output_ids"]), dtype=torch.bool) for r in held}
+        self.accepted = {r["id"]: torch.zeros(len(r["output_ids"])) for r in held} if targets else None
+
+    def add(
+        self, ssm: PreTrainedModel, pad_id: int, batch_size: int, desc: str, chain: int | None = None
+    ) -> dict[str, Any]:
+        """Add an SSM to the pool; with `chain`, return its scores and the pool's."""
+        hits = output_hits(ssm, self.held, pad_id, batch_size, desc)
+        add_hits(self.hits, hits)
+        accepted = None
+        if self.targets is not None and self.accepted is not None:
+            accepted = output_acceptance(ssm, self.held, self.targets, pad_id, batch_size, f"{desc} sampled")
+            self.accepted = pool_max(self.accepted, accepted)
+        if chain is None:
+            return {}
+        scores = held_out_scores(hits, self.hits, chain)
+        scores["held_out_sampled_acceptance"] = mean_of(accepted)
+        scores["pool_sampled_acceptance"] = mean_of(self.accepted)
+        return scores
+
+
+def mean_of(values: dict[int, torch.Tensor] | None) -> float | None:
+    return None if values is None else float(torch.cat(list(values.values())).mean())
+
+
+def pool_max(pool: dict[int, torch.Tensor], member: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The best member's acceptance at every position: max over the pool and the new member."""
+    return {k: torch.maximum(v, member[k]) for k, v in pool.items()}
+
+
+def save_acceptance(path: Path, acceptance: dict[int, torch.Tensor], rows: list[dict[str, Any]]) -> None:
+    """The acceptance at every output position of `rows`, in their order, as one float32 array
+    (written to a temporary file and renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as file:
+        np.save(file, torch.cat([acceptance[r["id"]] for r in rows]).numpy().astype(np.float32))
+    os.replace(tmp, path)
+
+
+def load_acceptance(path: Path, rows: list[dict[str, Any]]) -> dict[int, torch.Tensor]:
+    """What `save_acceptance` wrote for these rows."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the sampled boost run cannot resume without it")
+    flat = torch.from_numpy(np.load(path))
+    lengths = [len(r["output_ids"]) for r in rows]
+    if flat.shape[0] != sum(lengths):
+        raise ValueError(f"{path} holds {flat.shape[0]} positions, the training rows {sum(lengths)}")
+    return {r["id"]: part for r, part in zip(rows, flat.split(lengths), strict=True)}
 
 
 def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
@@ -652,8 +1019,21 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
         default="tenth",
         help="fresh Llama with the LLM's vocabulary and this share of its parameters",
     )
-    p.add_argument("--marking", choices=MARKINGS, default="sample")
+    p.add_argument("--marking", choices=MARKINGS, default="sample", help="greedy boost mode: what is marked")
     p.add_argument("--span-depth", type=int, default=4, help="d: tokens a marked span must reproduce")
+    p.add_argument(
+        "--boost-mode",
+        choices=BOOST_MODES,
+        default="greedy",
+        help="greedy: mark what earlier SSMs reproduce; sampled: weight positions by the pool's 1 - TV",
+    )
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="ce",
+        help="ce: the LLM's tokens; kl / tv: its stored distributions (top-K + tail); mix: ce + kl",
+    )
+    p.add_argument("--mix-weight", type=float, default=1.0, help="w of --loss mix = CE + w KL")
     p.add_argument("--chain", type=int, default=4, help="greedy chain length scored on the held-out split")
     p.add_argument("--held-out-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
@@ -676,6 +1056,9 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
         ssm_config=a.ssm_config,
         marking=a.marking,
         span_depth=a.span_depth,
+        boost_mode=a.boost_mode,
+        loss=a.loss,
+        mix_weight=a.mix_weight,
         chain=a.chain,
         held_out_fraction=a.held_out_fraction,
         seed=a.seed,

@@ -21,8 +21,22 @@ prompts already in a complete shard are skipped. Other settings are refused.
 `--use-pool POOL` (an exported pool, `make export`) generates through the lossless speculative
 decoder instead of `model.generate`: the same greedy outputs, the same sampling distribution.
 
-Rows: id, prompt, prompt_ids, output_ids, output (text), finish_reason ("eos" | "length") and
-answer when the prompt set has reference answers. `load_distilled(out)` gives the kept rows.
+`--num-samples N` (with `--do-sample`) writes N sampled continuations of every prompt, each its
+own row: row id = prompt id * N + sample index, so shards, resume and the split over processes
+work on rows and every (prompt, sample) is generated exactly once.
+
+`--top-k-probs K` (default 64; 0 turns it off) also records, at every output position, the top-K
+token ids and probabilities of the LLM's processed distribution p and the remaining mass as one
+number (`training/target_distributions.py`; ALGORITHMS.md section 15): what `make boost --loss
+kl|tv|mix` and `--boost-mode sampled` train on. A sampled run records the distribution it sampled
+from; a greedy run records the one sampling at `--temperature` / `--top-p` would use (they
+change nothing else in a greedy run). K larger than the vocabulary is clamped with a notice.
+metadata.json reports the settings and the storage per output token.
+
+Rows: id, prompt_id, sample, prompt, prompt_ids, output_ids, output (text), finish_reason ("eos" |
+"length"), answer when the prompt set has reference answers, and with `--top-k-probs` the columns
+top_k_ids (int32), top_k_probs (float16), tail_prob (float32), one entry per output token.
+`load_distilled(out)` gives the kept rows.
 
 Filters (applied when merging, so they can change without regenerating; counts in metadata):
 empty output, `--drop-truncated` (finish_reason "length"), degenerate repetition (a block of up
@@ -39,7 +53,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +79,18 @@ from specboost.speculator.prompt_sets import (
     tokenize_prompts,
 )
 from specboost.training.run_files import library_versions, write_json_atomic
+from specboost.training.target_distributions import (
+    COLUMN_TYPES,
+    COLUMNS,
+    PositionTargets,
+    TopKRecorder,
+    clamp_top_k,
+    distribution_columns,
+    processor_names,
+    raw_bytes_per_token,
+    stored_bytes_per_token,
+    target_processing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +98,8 @@ SPLIT = "train"  # the only split distilled; "held_out" is kept for evaluation
 RUN_FILE, METADATA_FILE, DATA_FILE, SHARDS_DIR = "run.json", "metadata.json", "data.parquet", "shards"
 FILTERS = ("empty", "truncated", "repetition", "wrong_answer")
 DTYPES = {"auto": "auto", "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Identity values of settings that runs made before the setting existed had (their run.json lacks it)
+OFF = {"top_k_probs": 0, "num_samples": 1}
 
 
 @dataclass(frozen=True)
@@ -87,9 +115,11 @@ class DistillConfig:
     split_seed: int = 0
     max_new_tokens: int = 128
     do_sample: bool = False  # False: greedy
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0  # sampling seed (each batch is seeded from it and its first prompt id)
+    temperature: float = 1.0  # greedy runs: the temperature of the recorded distributions only
+    top_p: float = 1.0  # greedy runs: the top-p of the recorded distributions only
+    seed: int = 0  # sampling seed (each batch is seeded from it and its first row id)
+    num_samples: int = 1  # sampled continuations per prompt (each its own row; needs do_sample)
+    top_k_probs: int = 64  # top-K of p stored per output position (0: none)
     shard_size: int = 256  # prompts per Parquet shard: at most this much work is lost to a kill
     dtype: str = "auto"
     # how to run (free to change between resumes)
@@ -105,9 +135,19 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
             raise ValueError("max_new_tokens, batch_size and shard_size must be at least 1")
-        if self.do_sample and (self.temperature <= 0 or not 0 < self.top_p <= 1):
+        if self.top_k_probs < 0 or self.num_samples < 1:
             raise ValueError(
-                f"sampling needs temperature > 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})"
+                f"top_k_probs must be >= 0 and num_samples >= 1 (got {self.top_k_probs}, {self.num_samples})"
+            )
+        if self.num_samples > 1 and not self.do_sample:
+            raise ValueError(
+                f"--num-samples {self.num_samples} needs --do-sample: greedy decoding writes the same "
+                "continuation every time"
+            )
+        if (self.do_sample or self.top_k_probs) and (self.temperature <= 0 or not 0 < self.top_p <= 1):
+            what = "sampling" if self.do_sample else "recording distributions"
+            raise ValueError(
+                f"{what} needs temperature > 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -117,8 +157,11 @@ class DistillConfig:
         free = {"batch_size", "use_pool", "drop_truncated", "repeat_max_ngram", "repeat_min_count"}
         settings = {k: v for k, v in asdict(self).items() if k not in free}
         if not self.do_sample:
-            settings.pop("temperature"), settings.pop("top_p"), settings.pop("seed")
-        return settings
+            settings.pop("seed")
+            if not self.top_k_probs:
+                settings.pop("temperature"), settings.pop("top_p")
+        # Off values are left out, so that runs made before these settings existed still resume.
+        return {k: v for k, v in settings.items() if not (k in OFF and v == OFF[k])}
 
 
 # ---------------------------------------------------------------- setup: prompts, model
@@ -171,14 +214,19 @@ def load_pool(
 # ---------------------------------------------------------------- run folder, shards, resume
 
 
-def claim_run_folder(out: Path, identity: dict[str, Any]) -> None:
-    """Refuse shards that belong to other settings; drop temporary files of killed writers."""
+def claim_run_folder(out: Path, identity: dict[str, Any], absent: dict[str, Any] | None = None) -> None:
+    """Refuse shards that belong to other settings; drop temporary files of killed writers.
+    `absent`: the value a setting left out of an identity stands for (in the message only)."""
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     run = out / RUN_FILE
     if run.is_file():
         previous = json.loads(run.read_text())
         if previous != identity:
-            diff = {k: (previous.get(k), identity.get(k)) for k in identity.keys() | previous.keys()}
+            absent = absent or {}
+            diff = {
+                k: (previous.get(k, absent.get(k)), identity.get(k, absent.get(k)))
+                for k in identity.keys() | previous.keys()
+            }
             diff = {k: v for k, v in diff.items() if v[0] != v[1]}
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(
@@ -190,24 +238,35 @@ def claim_run_folder(out: Path, identity: dict[str, Any]) -> None:
         stray.unlink(missing_ok=True)
 
 
-def read_shards(out: Path) -> list[dict[str, Any]]:
-    """Rows of every complete shard (a file that cannot be read is skipped with a warning)."""
-    rows: list[dict[str, Any]] = []
+def shard_tables(out: Path, columns: list[str] | None = None) -> list[pa.Table]:
+    """Every complete shard (a file that cannot be read is skipped with a warning)."""
+    tables: list[pa.Table] = []
     for path in sorted((out / SHARDS_DIR).glob("shard-*.parquet")):
         try:
-            rows.extend(pq.read_table(path).to_pylist())
+            tables.append(pq.read_table(path, columns=columns))
         except (OSError, pa.ArrowInvalid) as error:
             logger.warning(
                 "skipping unreadable shard %s (%s); its prompts will be generated again", path, error
             )
-    return rows
+    return tables
+
+
+def read_shards(out: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of every complete shard (`columns`: only these)."""
+    return [row for table in shard_tables(out, columns) for row in table.to_pylist()]
 
 
 def write_shard(out: Path, rows: list[dict[str, Any]]) -> Path:
-    """One shard, named by its first prompt id (ids are disjoint between shards), written atomically."""
+    """One shard, named by its first row id (ids are disjoint between shards), written atomically.
+    Rows may carry stored distributions (COLUMNS, numpy arrays): written with their compact types."""
     path = out / SHARDS_DIR / f"shard-{rows[0]['id']:09d}-{len(rows):05d}.parquet"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    table = pa.Table.from_pylist([{k: v for k, v in r.items() if k not in COLUMNS} for r in rows])
+    if COLUMNS[0] in rows[0]:
+        targets = [PositionTargets(*(r[name] for name in COLUMNS)) for r in rows]
+        for name, column in distribution_columns(targets).items():
+            table = table.append_column(name, column)
+    pq.write_table(table, tmp)
     os.replace(tmp, path)
     return path
 
@@ -256,6 +315,27 @@ def generate_batch(
     return [trim_output(row.tolist(), eos) for row in out[:, ids.shape[1] :].cpu()]
 
 
+def batch_targets(
+    llm: PreTrainedModel,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    pad_id: int,
+    eos: set[int],
+    config: DistillConfig,
+) -> list[PositionTargets]:
+    """The top-K of p at every output position of a generated batch (target_distributions.py)."""
+    processing = target_processing(
+        llm,
+        left_pad(prompts, pad_id)[0],
+        config.temperature,
+        config.top_p,
+        config.max_new_tokens,
+        pad_id,
+        eos,
+    )
+    return TopKRecorder(llm, processing, config.top_k_probs, pad_id)(prompts, outputs)
+
+
 def generate_pending(
     generator: PreTrainedModel | SpeculativeDecoder,
     tokenizer: PreTrainedTokenizerBase,
@@ -264,8 +344,9 @@ def generate_pending(
     out: Path,
     show_progress: bool,
 ) -> None:
-    """Generate this process's prompts, one shard at a time."""
-    eos = eos_ids(generator.llm if isinstance(generator, SpeculativeDecoder) else generator, tokenizer)
+    """Generate this process's rows, one shard at a time (with their distributions when asked)."""
+    llm = generator.llm if isinstance(generator, SpeculativeDecoder) else generator
+    eos = eos_ids(llm, tokenizer)
     has_answer = "answer" in pending.column_names
     bar = tqdm(total=len(pending), unit="prompt", disable=not show_progress, desc="distill")
     started, tokens = time.perf_counter(), 0
@@ -278,6 +359,13 @@ def generate_pending(
             if config.do_sample:
                 transformers.set_seed(seed)
             results = generate_batch(generator, batch["input_ids"], tokenizer.pad_token_id, eos, config, seed)
+            targets = (
+                batch_targets(
+                    llm, batch["input_ids"], [o for o, _ in results], tokenizer.pad_token_id, eos, config
+                )
+                if config.top_k_probs
+                else None
+            )
             for i, (output_ids, reason) in enumerate(results):
                 row = {
                     "id": batch["id"][i],
@@ -289,6 +377,8 @@ def generate_pending(
                 }
                 if has_answer:
                     row["answer"] = batch["answer"][i]
+                if targets is not None:
+                    row.update(zip(COLUMNS, (targets[i].ids, targets[i].probs, targets[i].tail), strict=True))
                 rows.append(row)
                 tokens += len(output_ids)
             bar.update(len(results))
@@ -347,26 +437,37 @@ def filter_reason(row: dict[str, Any], config: DistillConfig) -> str:
 
 
 def merge(out: Path, expected_ids: list[int], config: DistillConfig) -> tuple[Dataset, dict[str, int]]:
-    """All shards as one table with one row per prompt and its filter; written to OUT/data.parquet."""
-    by_id: dict[int, dict[str, Any]] = {}
-    for row in read_shards(out):
-        by_id.setdefault(row["id"], row)  # duplicates cannot arise from complete shards; be safe
-    missing = set(expected_ids) - by_id.keys()
-    assert not missing, f"{len(missing)} prompts have no output (e.g. {sorted(missing)[:5]})"
-    rows = [by_id[i] for i in sorted(expected_ids)]
-    for row in rows:
-        row["filter"] = filter_reason(row, config)
-    assert len({r["id"] for r in rows}) == len(expected_ids)
-    table = pa.Table.from_pylist(rows)
+    """All shards as one table with one row per (prompt, sample), its prompt id, sample index and
+    filter; written to OUT/data.parquet. Arrow throughout, so the stored distributions keep their
+    compact types."""
+    table = pa.concat_tables(shard_tables(out), promote_options="default")
+    first: dict[int, int] = {}
+    for index, row_id in enumerate(table.column("id").to_pylist()):
+        first.setdefault(row_id, index)  # duplicates cannot arise from complete shards; be safe
+    missing = set(expected_ids) - first.keys()
+    assert not missing, f"{len(missing)} rows have no output (e.g. {sorted(missing)[:5]})"
+    ordered = sorted(expected_ids)
+    table = table.take(pa.array([first[i] for i in ordered], type=pa.int64()))
+    table = table.drop_columns([c for c in ("prompt_id", "sample") if c in table.column_names])
+    n = config.num_samples
+    table = table.add_column(1, "prompt_id", pa.array([i // n for i in ordered], type=pa.int64()))
+    table = table.add_column(2, "sample", pa.array([i % n for i in ordered], type=pa.int64()))
+    light = ("output_ids", "output", "finish_reason", "answer")
+    filters = [
+        filter_reason(row, config)
+        for row in table.select([c for c in light if c in table.column_names]).to_pylist()
+    ]
+    table = table.append_column("filter", pa.array(filters, type=pa.string()))
     tmp = out / f".{DATA_FILE}.tmp-{os.getpid()}"
     pq.write_table(table, tmp)
     os.replace(tmp, out / DATA_FILE)
-    counts = {name: sum(r["filter"] == name for r in rows) for name in FILTERS}
+    counts = {name: filters.count(name) for name in FILTERS}
     return Dataset(table), counts
 
 
 def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> Dataset:
-    """The distilled rows of a finished run: one per kept prompt (all prompts with keep_filtered)."""
+    """The distilled rows of a finished run: one per kept (prompt, sample) (all with keep_filtered),
+    with the stored distributions' columns when the run recorded them."""
     path = Path(out) / DATA_FILE
     if not path.is_file():
         raise FileNotFoundError(
@@ -374,7 +475,7 @@ def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> 
         )
     ds = Dataset(pq.read_table(path))
     if len(set(ds["id"])) != len(ds):
-        raise RuntimeError(f"{path} holds duplicate prompt ids: regenerate it")
+        raise RuntimeError(f"{path} holds duplicate row ids: regenerate it")
     return ds if keep_filtered else ds.filter(lambda reason: reason == "", input_columns="filter")
 
 
@@ -402,18 +503,22 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     tokenized = tokenize_prompts(
         splits[SPLIT], tokenizer, budget, add_special_tokens=not config.chat_template
     )
+    config, processors = check_distributions(config, model, tokenizer, tokenized.dataset, accelerator)
     if accelerator.is_main_process:
-        claim_run_folder(out, config.identity())
+        claim_run_folder(out, config.identity(), OFF)
     accelerator.wait_for_everyone()
 
-    # 2. Skip prompts already in a complete shard; each process takes its share of the rest. Every
+    # 2. Skip rows already in a complete shard; each process takes its share of the rest. Every
     #    process must see the same shards, so none may write one before all have read them.
-    done = {row["id"] for row in read_shards(out)}
-    pending = tokenized.dataset.filter(lambda i: i not in done, input_columns="id")
+    rows = expand_samples(tokenized.dataset, config.num_samples)
+    done = {row["id"] for row in read_shards(out, columns=["id"])}
+    pending = rows.filter(lambda i: i not in done, input_columns="id")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        per_prompt = f" x {config.num_samples} samples" if config.num_samples > 1 else ""
         print(
-            f"[distill] {len(tokenized.dataset)} train prompts, {len(done)} done, {len(pending)} to generate"
+            f"[distill] {len(tokenized.dataset)} train prompts{per_prompt}, {len(done)} rows done, "
+            f"{len(pending)} to generate"
         )
     model.to(accelerator.device)
     generator = model if pool is None else SpeculativeDecoder(model, pool, tokenizer)
@@ -425,8 +530,9 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     if not accelerator.is_main_process:
         return {}
 
-    # 3. Merge to one row per prompt, apply the filters, record what was done.
-    merged, counts = merge(out, tokenized.dataset["id"], config)
+    # 3. Merge to one row per (prompt, sample), apply the filters, record what was done.
+    merged, counts = merge(out, rows["id"], config)
+    tokens = sum(len(o) for o in merged["output_ids"])
     metadata = {
         "llm": config.llm,
         "generation": {
@@ -434,6 +540,7 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             "temperature": config.temperature if config.do_sample else None,
             "top_p": config.top_p if config.do_sample else None,
             "seed": config.seed if config.do_sample else None,
+            "num_samples": config.num_samples,
             "max_new_tokens": config.max_new_tokens,
             "dtype": config.dtype,
             "batch_size": config.batch_size,
@@ -445,6 +552,7 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
         "split": SPLIT,
         "counts": {
             "train_prompts": len(splits[SPLIT]),
+            "samples_per_prompt": config.num_samples,
             "held_out_prompts": len(splits["held_out"]),
             "truncated_prompts": tokenized.num_truncated,
             "max_prompt_tokens": budget if context else None,
@@ -455,19 +563,88 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             "finish_length": sum(r == "length" for r in merged["finish_reason"]),
             "filtered": counts,
             "kept": sum(f == "" for f in merged["filter"]),
-            "output_tokens": sum(len(o) for o in merged["output_ids"]),
+            "output_tokens": tokens,
             "tokens_generated_this_run": sum(
                 len(o) for i, o in zip(merged["id"], merged["output_ids"], strict=True) if i not in done
             ),  # every process's, read back from the shards
         },
+        "distributions": distributions_metadata(config, processors, out, tokens),
         "processes": accelerator.num_processes,
         "wall_time_s": round(time.time() - started, 1),
         "versions": library_versions(),
     }
     write_json_atomic(out / METADATA_FILE, metadata)
-    c = metadata["counts"]
+    c, d = metadata["counts"], metadata["distributions"]
     print(f"[distill] {c['rows']} rows, {c['kept']} kept, filtered {counts}: {out / DATA_FILE}")
+    if d is not None:
+        print(
+            f"[distill] distributions: top-{d['top_k']} of p at temperature {d['temperature']} "
+            f"(top_p {d['top_p']}), {d['bytes_per_token']:.1f} bytes per output token on disk "
+            f"({d['raw_bytes_per_token']} raw), {d['megabytes']:.1f} MB"
+        )
     return metadata
+
+
+def check_distributions(
+    config: DistillConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Dataset,
+    accelerator: Accelerator,
+) -> tuple[DistillConfig, list[str]]:
+    """Clamp K to the vocabulary (with a notice) and resolve the processors p is recorded with,
+    on the first prompt, before the run folder is claimed (a refused option leaves none behind);
+    returns the config and the processors' names."""
+    if not config.top_k_probs:
+        return config, []
+    top_k = clamp_top_k(config.top_k_probs, model)
+    if top_k < config.top_k_probs:
+        if accelerator.is_main_process:
+            print(
+                f"[distill] --top-k-probs {config.top_k_probs} is more than the LLM's vocabulary "
+                f"({top_k} tokens): storing all {top_k} probabilities (the tail is 0)"
+            )
+        config = replace(config, top_k_probs=top_k)
+    first = left_pad(prompts[:1]["input_ids"], tokenizer.pad_token_id)[0]
+    eos = eos_ids(model, tokenizer)
+    processing = target_processing(
+        model, first, config.temperature, config.top_p, config.max_new_tokens, tokenizer.pad_token_id, eos
+    )
+    return config, processor_names(processing)
+
+
+def distributions_metadata(
+    config: DistillConfig, processors: list[str], out: Path, tokens: int
+) -> dict[str, Any] | None:
+    """What the stored distributions are, and what they cost on disk (in data.parquet)."""
+    if not config.top_k_probs:
+        return None
+    per_token = stored_bytes_per_token(out / DATA_FILE, tokens)
+    return {
+        "top_k": config.top_k_probs,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "recorded_from": "sampled outputs" if config.do_sample else "greedy outputs",
+        "processors": processors,
+        "columns": COLUMN_TYPES,
+        "output_tokens": tokens,
+        "bytes_per_token": per_token,
+        "raw_bytes_per_token": raw_bytes_per_token(config.top_k_probs),
+        "megabytes": (per_token or 0.0) * tokens / 2**20,
+    }
+
+
+def expand_samples(prompts: Dataset, num_samples: int) -> Dataset:
+    """One row per (prompt, sample): id = prompt id * num_samples + sample index."""
+    if num_samples == 1:
+        return prompts
+
+    def repeat(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        rows = {k: [v for v in values for _ in range(num_samples)] for k, values in batch.items()}
+        rows["id"] = [i * num_samples + s for i in batch["id"] for s in range(num_samples)]
+        return rows
+
+    return prompts.map(repeat, batched=True)
 
 
 def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
@@ -487,9 +664,29 @@ def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
         help="exported SSM pool (folder or hub id): generate through the speculative decoder",
     )
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature (greedy runs: the temperature of the recorded distributions only)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="sampling top-p (greedy runs: of the recorded distributions)"
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        help="sampled continuations per prompt, each its own row (needs --do-sample)",
+    )
+    p.add_argument(
+        "--top-k-probs",
+        type=int,
+        default=64,
+        metavar="K",
+        help="store the top-K probabilities of p and the tail mass per output token (default 64; 0: off)",
+    )
     p.add_argument("--shard-size", type=int, default=256)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--held-out-fraction", type=float, default=0.1)
@@ -514,6 +711,8 @@ def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
         temperature=a.temperature,
         top_p=a.top_p,
         seed=a.seed,
+        num_samples=a.num_samples,
+        top_k_probs=a.top_k_probs,
         shard_size=a.shard_size,
         dtype=a.dtype,
         batch_size=a.batch_size,

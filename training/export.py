@@ -11,7 +11,10 @@ folders with the LLM's tokenizer) and `boost_record.json`. OUT gets:
 - `specboost_pool.json`: the manifest `SSMPool.from_pretrained` reads (the LLM the pool was
   trained for with its vocabulary size and tokenizer vocab hash, the SSMs, initial voting
   weights, and the predictor / hardware profile / Sequoia acceptance vectors when BOOST holds
-  them);
+  them), and how the pool was built: `boost_mode` ("greedy" marking or "sampled" acceptance
+  weights), `loss` ("ce", "kl", "tv" or "mix") and `target_temperature` (the temperature of the
+  LLM distributions it was trained on; null for CE on the LLM's tokens). Boost runs from before
+  these fields were recorded were greedy CE runs and are exported as such;
 - `README.md`: the pool's card.
 
 OUT is written next to itself under a temporary name and renamed into place, so it exists only
@@ -149,6 +152,66 @@ out = llm.generate(ids, assistant_model=assistant, max_new_tokens=64)
 """
 
 
+def build_info(record: dict[str, Any]) -> dict[str, Any]:
+    """boost_mode, loss and target_temperature of the run (a record without them: greedy CE)."""
+    return {
+        "boost_mode": record.get("boost_mode") or "greedy",
+        "loss": record.get("loss") or "ce",
+        "target_temperature": record.get("target_temperature"),
+    }
+
+
+def describe_training(record: dict[str, Any]) -> str:
+    """One sentence: the loss and what it was computed against."""
+    info = build_info(record)
+    if info["loss"] == "ce":
+        return "cross-entropy on the LLM's output tokens"
+    against = f"the LLM's stored top-K next-token distributions at temperature {info['target_temperature']}"
+    loss = {
+        "kl": "forward KL(p || q)",
+        "tv": "total variation TV(p, q)",
+        "mix": f"cross-entropy + {record.get('mix_weight')} x KL(p || q)",
+    }.get(info["loss"], info["loss"])
+    return f"{loss} against {against} (tail as one bucket)"
+
+
+def _round_line(entry: dict[str, Any], index: int, record: dict[str, Any]) -> str:
+    rounds = len(record["rounds"])
+    done = f"({entry.get('steps')} steps, final loss {_number(entry.get('final_loss'), 4)})"
+    if build_info(record)["boost_mode"] == "sampled":
+        return (
+            f"{index + 1} of {rounds}; trained on {entry.get('train_samples')} samples {done}, each "
+            "position weighted by how often the earlier SSMs' sampled drafts are rejected there "
+            "(sampled boost mode); pool acceptance on the training data after this round "
+            f"{_number(entry.get('train_pool_sampled_acceptance'), 3)}"
+        )
+    return (
+        f"{index + 1} of {rounds}; trained on {entry.get('train_samples')} samples left by earlier\n"
+        f"  rounds {done}, then marked\n"
+        f"  {entry.get('marked')} {record.get('marked_unit', 'samples')} it reproduces "
+        f"({record.get('marking')} marking)"
+    )
+
+
+def _sampled_note(entry: dict[str, Any]) -> str:
+    return (
+        "; sampled: one draft token's acceptance"
+        if entry.get("held_out_sampled_acceptance") is not None
+        else ""
+    )
+
+
+def _sampled_rows(entry: dict[str, Any], record: dict[str, Any]) -> str:
+    if entry.get("held_out_sampled_acceptance") is None:
+        return ""
+    at = f"T = {record.get('sampled_scoring_temperature')}"
+    alone, pool = entry.get("held_out_sampled_acceptance"), entry.get("pool_sampled_acceptance")
+    return (
+        f"| held-out sampled acceptance, 1 - TV ({at}) | {_number(alone, 3)} |\n"
+        f"| pool sampled acceptance after this round | {_number(pool, 3)} |\n"
+    )
+
+
 def ssm_card(entry: dict[str, Any], index: int, record: dict[str, Any], llm: LLMInfo, location: str) -> str:
     """README.md of one SSM: what it is, what it was trained on, how well it drafts."""
     rounds, held_out = len(record["rounds"]), len(record.get("held_out_ids") or [])
@@ -163,19 +226,18 @@ boost-tuning) so that their union covers the LLM's outputs.
 
 - Base model: {describe_base(record.get("base"))}
 - Training data: {llm.training_data}
-- Boost round: {index + 1} of {rounds}; trained on {entry.get("train_samples")} samples left by earlier
-  rounds ({entry.get("steps")} steps, final loss {_number(entry.get("final_loss"), 4)}), then marked
-  {entry.get("marked")} {record.get("marked_unit", "samples")} it reproduces ({record.get("marking")} marking)
+- Loss: {describe_training(record)}
+- Boost round: {_round_line(entry, index, record)}
 - Vocabulary: the LLM's ({llm.vocab_size} tokens, tokenizer vocab hash `{llm.tokenizer_vocab_hash}`)
 
-## Measured against the LLM (greedy, {held_out} held-out prompts{_chain(record)})
+## Measured against the LLM ({held_out} held-out prompts; greedy{_chain(record)}{_sampled_note(entry)})
 
 | metric | value |
 |---|---|
 | held-out acceptance rate | {_number(entry.get("held_out_acceptance"), 3)} |
 | held-out mean match length | {_number(entry.get("held_out_mean_match_length"), 2)} |
 | pool coverage after this round | {_number(entry.get("pool_coverage"), 3)} |
-
+{_sampled_rows(entry, record)}
 {_usage(location, llm.name_or_path, f"ssm-{entry['ssm']}")}"""
 
 
@@ -190,7 +252,8 @@ def pool_card(manifest: dict[str, Any], record: dict[str, Any], llm: LLMInfo, lo
 
 {len(manifest["ssms"])} small speculative models boost-tuned for lossless speculative decoding of
 `{llm.name_or_path}` (vocabulary {llm.vocab_size} tokens). Base model: {describe_base(record.get("base"))}.
-Training data: {llm.training_data}. The manifest `{MANIFEST_FILE}` names the LLM (with a tokenizer
+Training data: {llm.training_data}. Loss: {describe_training(record)}; boost mode
+`{manifest["boost_mode"]}`. The manifest `{MANIFEST_FILE}` names the LLM (with a tokenizer
 vocab hash, so a mismatch is detected), the SSMs and their initial voting weights.
 
 | SSM | boost round | held-out acceptance | mean match length | pool coverage |
@@ -228,6 +291,8 @@ def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str |
             "held_out_acceptance": entry.get("held_out_acceptance"),
             "held_out_mean_match_length": entry.get("held_out_mean_match_length"),
             "pool_coverage": entry.get("pool_coverage"),
+            "held_out_sampled_acceptance": entry.get("held_out_sampled_acceptance"),
+            "pool_sampled_acceptance": entry.get("pool_sampled_acceptance"),
         }
         for index, entry in enumerate(record["rounds"])
     ]
@@ -241,6 +306,7 @@ def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str |
         "base": record.get("base"),
         "training_data": llm.training_data,
         "marking": record.get("marking"),
+        **build_info(record),
         "ssms": ssms,
         "weights": [1.0 / len(ssms)] * len(ssms),  # equal until the pool votes (ALGORITHMS.md 6)
         **{key: None if name is None else {"path": name} for key, name in extras.items()},
