@@ -2,14 +2,14 @@
 
 Every sequence keeps its own SSM caches. Two ways to draft for a batch (a `SequenceGroup`):
 
-- `BatchedChainDrafting`: for the SpecInfer pool drafting chains (`PoolSpeculator` with
-  `ChainShape`), the pool drafts every sequence's chains at once over a ragged cache
+- `BatchedChainDrafting`: for the SpecInfer pool drafting one chain per SSM (`PoolSpeculator`
+  with `ChainShape`), the pool drafts every sequence's chains at once over a ragged cache
   (`BatchedChainDrafter`): one pass per chain position for the whole batch and, when the SSMs
   are stacked into one model, for the whole pool. The chains of one sequence are merged into
   its tree exactly as `PoolSpeculator` merges them.
-- `PerSequenceDrafting`: any other strategy (beam or topology trees, weighted majority, Sequoia,
-  the learned scheduler): every sequence gets its own copy of the decoder's speculator, sharing
-  the models, and drafts alone.
+- `PerSequenceDrafting`: any other strategy (beam or topology trees, several sampled chains per
+  SSM, weighted majority, Sequoia, the learned scheduler): every sequence gets its own copy of
+  the decoder's speculator, sharing the models, and drafts alone.
 
 Chain strategies draft one length per step for the whole batch, chosen by the batch's length
 controller (BASS Algorithm 1 by default; section 7).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -207,7 +208,7 @@ class PerSequenceDrafting:
         trees = []
         for row, depth, speculator in zip(rows, depths, self.speculators, strict=True):
             if length is not None:
-                speculator.shape = ChainShape(length)
+                speculator.shape = replace(speculator.shape, length=length)
             trees.append(speculator.propose(DraftRequest(row.tokens, depth, row.probs, row.hidden)))
         return trees
 
@@ -223,9 +224,14 @@ class PerSequenceDrafting:
 
 
 def make_drafting(speculator: Speculator, batched: bool, calls: ModelCalls, rows: int) -> GroupDrafting:
-    """`BatchedChainDrafting` for the pool's fixed-length chains (when `batched`), else
-    `PerSequenceDrafting` (sharing the decoder's speculator for a group of one row)."""
-    fixed_chains = type(speculator) is PoolSpeculator and isinstance(speculator.shape, ChainShape)
+    """`BatchedChainDrafting` for the pool's fixed-length chains, one per SSM (when `batched`),
+    else `PerSequenceDrafting` (sharing the decoder's speculator for a group of one row; also
+    for several sampled chains per SSM, `ChainShape(samples=k)`, which its tree plans draft)."""
+    fixed_chains = (
+        type(speculator) is PoolSpeculator
+        and isinstance(speculator.shape, ChainShape)
+        and speculator.shape.samples == 1
+    )
     if batched and fixed_chains and (rows > 1 or speculator.length_controller is None):
         return BatchedChainDrafting(speculator, calls)
     return PerSequenceDrafting(speculator, shared=rows == 1)

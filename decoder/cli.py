@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="(default: chain; none for --strategy sequoia, which builds its own tree)",
     )
     shape.add_argument("--length", type=int, default=4, metavar="L", help="chain length (default: 4)")
+    shape.add_argument(
+        "--chain-samples",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --do-sample: sampled chains per SSM, drawn independently and merged (SpecTr); verify "
+        "them with --rule k_sequential (default: 1)",
+    )
     shape.add_argument("--width", type=int, default=2, metavar="W", help="beam width (default: 2)")
     shape.add_argument("--depth", type=int, default=4, metavar="D", help="beam depth (default: 4)")
     _add_topology_option(shape, "--shape topology")
@@ -144,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rule",
         choices=[r.value for r in Rule],
         help="verification rule (default: greedy; with --do-sample: mss for chain, target for beam, "
-        "without_replacement for topology with one SSM, target for topology with several)",
+        "without_replacement for topology with one SSM, target for topology with several; k_sequential: "
+        "SpecTr's k-sequential selection for sampled chains, never accepting less than mss)",
     )
     verification.add_argument(
         "--verification",
@@ -334,7 +343,9 @@ def _shape(args: argparse.Namespace) -> DraftShape | None:
     if args.shape is None and args.strategy == "sequoia":
         return None
     if args.shape in (None, "chain"):
-        return ChainShape(args.length)
+        return ChainShape(args.length, args.chain_samples)
+    if args.chain_samples != 1:
+        raise ValueError(f"--chain-samples is for --shape chain, not --shape {args.shape}")
     if args.shape == "beam":
         return BeamShape(args.width, args.depth)
     return TopologyShape.from_children_counts([list(level) for level in args.topology_children])

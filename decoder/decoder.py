@@ -55,10 +55,14 @@ class SpeculativeDecoder:
         llm: the target causal LM.
         ssms: small speculative models sharing the LLM's vocabulary, or an `SSMPool`.
         tokenizer: the LLM's tokenizer (needed for stop strings and tokenizer checks).
-        shape: what every SSM drafts per step: `ChainShape(length)`, `BeamShape(width, depth)`
-            or `TopologyShape(parents)`. Default: a chain of 4.
-        rule: verification rule, "greedy" | "mss" | "without_replacement" | "target"; None picks
-            greedy for do_sample=False and the lossless rule for the tree kind otherwise.
+        shape: what every SSM drafts per step: `ChainShape(length)` (`ChainShape(length,
+            samples=k)`: k sampled chains per SSM), `BeamShape(width, depth)` or
+            `TopologyShape(parents)`. Default: a chain of 4.
+        rule: verification rule, "greedy" | "mss" | "k_sequential" | "without_replacement" |
+            "target"; None picks greedy for do_sample=False and the lossless rule for the tree
+            kind otherwise. "k_sequential" (sampled chains: several SSMs, or `samples` > 1) is
+            SpecTr's k-sequential selection generalised to drafts of different SSMs, or MSS at
+            the nodes where that accepts more (`decoder/multi_draft.py`).
         verification: "tree" (one tree-attention pass) or "stairs" (ALGORITHMS.md 12; greedy chains).
         speculator: a custom speculation strategy (overrides `strategy` and `shape`).
         ssm_tokenizers: the SSMs' own tokenizers, checked against `tokenizer` when given.

@@ -118,6 +118,11 @@ def check_inputs(strategy: str, inputs: StrategyInputs) -> None:
         raise ValueError(
             f"strategy='majority' votes on chains: use shape=ChainShape(length), not {inputs.shape}"
         )
+    if strategy == "majority" and isinstance(inputs.shape, ChainShape) and inputs.shape.samples > 1:
+        raise ValueError(
+            "strategy='majority' votes on one argmax chain per SSM, so ChainShape(samples=...) does not "
+            f"apply: use shape=ChainShape({inputs.shape.length})"
+        )
     if strategy == "sequoia" and inputs.shape is not None:
         raise ValueError(
             "strategy='sequoia' drafts its own DP-optimal tree: drop shape= (its size and depth are "

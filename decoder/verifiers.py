@@ -53,8 +53,8 @@ class TreeVerifier:
         if rule is Rule.WITHOUT_REPLACEMENT and num_ssms > 1:
             raise ValueError(
                 "rule='without_replacement' needs all children of a node drawn from one q, "
-                "so it works with a single SSM; use rule='target' for a pool (rule='mss' needs chains "
-                "sampled with replacement, i.e. ChainShape)"
+                "so it works with a single SSM; use rule='target' for a pool (rule='mss' and "
+                "'k_sequential' need chains sampled with replacement, i.e. ChainShape)"
             )
         return rule
 

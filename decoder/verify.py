@@ -16,8 +16,9 @@ from enum import Enum
 
 import torch
 
+from specboost.decoder.multi_draft import best_plan
 from specboost.speculator.sampling import LogitsToProbs
-from specboost.speculator.tree import DraftKind, TokenTree
+from specboost.speculator.tree import DraftKind, Proposal, TokenTree
 
 
 class Rule(str, Enum):
@@ -25,6 +26,7 @@ class Rule(str, Enum):
     MSS = "mss"  # multi-step speculative sampling (SpecInfer)
     WITHOUT_REPLACEMENT = "without_replacement"  # Sequoia
     TARGET = "target"  # sample from p, accept the equal child
+    K_SEQUENTIAL = "k_sequential"  # SpecTr's k-sequential selection, generalised; MSS where better
 
 
 ALL_KINDS = frozenset(DraftKind)
@@ -32,6 +34,7 @@ RULE_TREE_KINDS: dict[Rule, frozenset[DraftKind]] = {
     Rule.GREEDY: ALL_KINDS,
     Rule.TARGET: ALL_KINDS,
     Rule.MSS: frozenset({DraftKind.SAMPLED}),
+    Rule.K_SEQUENTIAL: frozenset({DraftKind.SAMPLED}),
     Rule.WITHOUT_REPLACEMENT: frozenset({DraftKind.SAMPLED_WITHOUT_REPLACEMENT}),
 }
 # The rule used when the user leaves it to us, per tree kind, under do_sample=True.
@@ -49,7 +52,7 @@ def check_rule(rule: Rule, kind: DraftKind, do_sample: bool) -> None:
     """Raise a ValueError that says what to change if `rule` is not lossless for `kind` trees."""
     if rule is Rule.GREEDY and do_sample:
         raise ValueError(
-            "rule='greedy' verifies greedy decoding; with do_sample=True use 'mss', "
+            "rule='greedy' verifies greedy decoding; with do_sample=True use 'mss', 'k_sequential', "
             "'without_replacement' or 'target' (or leave rule=None)"
         )
     if rule is not Rule.GREEDY and not do_sample:
@@ -123,15 +126,22 @@ def walk(tree: TokenTree, choose: Callable[[int], int]) -> Verdict:
         node = child
 
 
+def node_proposals(tree: TokenTree, node: int) -> list[tuple[int, Proposal]]:
+    """(child, proposal) for every proposal at `node`'s children, in drawing order: by SSM, then
+    by the SSM's chain (`Proposal.draw`). The order must not depend on the drawn tokens, so
+    several draws of one SSM are never grouped by the child they landed on."""
+    proposals = [(child, prop) for child in tree.children[node] for prop in tree.proposals[child]]
+    proposals.sort(key=lambda cp: (cp[1].ssm, cp[1].draw))
+    return proposals
+
+
 def verify_mss(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
     """Multi-step speculative sampling (SpecInfer; Sequoia appendix Alg. 3)."""
     node, accepted = 0, []
     while True:
         r = p[node]
-        proposals = [(child, prop) for child in tree.children[node] for prop in tree.proposals[child]]
-        proposals.sort(key=lambda cp: cp[1].ssm)  # a fixed order, independent of the random draws
         chosen = None
-        for child, prop in proposals:
+        for child, prop in node_proposals(tree, node):
             x = tree.tokens[child]
             if _uniform(generator, p.device) * prop.q[x] < r[x]:  # r < R(x) / q(x)
                 chosen = child
@@ -139,6 +149,27 @@ def verify_mss(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | No
             r = _residual(r, prop.q)
         if chosen is None:
             return Verdict(accepted, int(torch.multinomial(r, 1, generator=generator)))
+        accepted.append(chosen)
+        node = chosen
+
+
+def verify_k_sequential(
+    tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None
+) -> Verdict:
+    """SpecTr's k-sequential selection, generalised to proposals from different q's, or MSS where
+    that accepts more (`decoder/multi_draft.py`, which proves both lossless): at each node, the
+    plan of `best_plan` for p and the proposals' q's in drawing order."""
+    node, accepted = 0, []
+    while True:
+        proposals = node_proposals(tree, node)
+        plan = best_plan(p[node], [prop.q for _, prop in proposals])
+        chosen = None
+        for (child, _), accept in zip(proposals, plan.accept, strict=True):
+            if _uniform(generator, p.device) < float(accept[tree.tokens[child]]):
+                chosen = child
+                break
+        if chosen is None:
+            return Verdict(accepted, int(torch.multinomial(plan.residual, 1, generator=generator)))
         accepted.append(chosen)
         node = chosen
 
@@ -174,6 +205,7 @@ def verify_without_replacement(
 
 RULES = {
     Rule.MSS: verify_mss,
+    Rule.K_SEQUENTIAL: verify_k_sequential,
     Rule.WITHOUT_REPLACEMENT: verify_without_replacement,
     Rule.TARGET: verify_target,
 }

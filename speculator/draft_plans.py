@@ -41,7 +41,7 @@ def make_plan(
     """The plan for `shape` under `root`, drafted by SSM `ssm`, no deeper than `max_depth` (>= 1)."""
     tree = TokenTree.root_only(root, shape.kind(probs.config.do_sample))
     if isinstance(shape, ChainShape):
-        return ChainPlan(tree, min(shape.length, max_depth), ssm, probs, generator)
+        return ChainPlan(tree, min(shape.length, max_depth), ssm, probs, generator, shape.samples)
     if isinstance(shape, BeamShape):
         return BeamPlan(tree, shape.width, min(shape.depth, max_depth), ssm, probs.greedy())
     if isinstance(shape, TopologyShape):
@@ -67,8 +67,12 @@ def choose_children(
 
 
 class ChainPlan:
-    """`length` tokens, each the argmax of the scores or a sample from q = softmax(scores) (kept for
-    multi-step speculative sampling). The last token's scores are never needed, so it is never fed."""
+    """`samples` chains of `length` tokens (one under greedy decoding: every chain would be the
+    argmax chain), each token the argmax of the scores or a sample from q = softmax(scores),
+    kept with q for the sampled verification rules. Every chain draws from q at its own last
+    node, independently of the others; chains through one node share its scores (it is fed
+    once) and the tree records chain j's proposals with draw index j, so verification takes
+    them in drawing order. The last tokens' scores are never needed, so they are never fed."""
 
     def __init__(
         self,
@@ -77,14 +81,26 @@ class ChainPlan:
         ssm: int,
         probs: LogitsToProbs,
         generator: torch.Generator | None,
+        samples: int = 1,
     ) -> None:
         self.tree, self.length, self.ssm, self.probs, self.generator = tree, length, ssm, probs, generator
+        self.ends = [0] * (samples if probs.config.do_sample else 1)  # per chain: its last node
         self.frontier = [0]
 
     def grow(self, scores: torch.Tensor) -> None:
-        tokens, q, ps = choose_children(scores[0], 1, self.probs.config.do_sample, self.generator)
-        node = self.tree.add_child(self.frontier[0], tokens[0], self.ssm, q, ps[0])
-        self.frontier = [node] if self.tree.depths[node] < self.length else []
+        do_sample = self.probs.config.do_sample
+        for node, node_scores in zip(self.frontier, scores, strict=True):
+            chains = [j for j, end in enumerate(self.ends) if end == node]
+            if len(chains) == 1:  # one draw (the stream of a single chain, as it always was)
+                tokens, q, ps = choose_children(node_scores, 1, do_sample, self.generator)
+            else:  # independent draws, with replacement, one per chain through this node
+                q = torch.softmax(node_scores, dim=-1)
+                drawn = torch.multinomial(q, len(chains), replacement=True, generator=self.generator)
+                tokens, ps = drawn.tolist(), q[drawn].tolist()
+            for j, token, p in zip(chains, tokens, ps, strict=True):
+                self.ends[j] = self.tree.add_child(node, token, self.ssm, q, p, draw=j)
+        depth = self.tree.depths[self.ends[0]]  # the chains grow in step
+        self.frontier = list(dict.fromkeys(self.ends)) if depth < self.length else []
 
     def result(self) -> TokenTree:
         return self.tree

@@ -297,9 +297,10 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
     MajoritySpeculator. Each SSM is credited with the kept nodes it proposed, so ACR_i is its
     acceptance rate within the verified trees.
 
-    Pruning looks at which SSMs agree, so a pool's pruned sampled chains are no longer children
-    sampled independently from their q: multi-step speculative sampling is not lossless on them,
-    and `tree_kind` says SELECTED, whose only sampling rule is target sampling (lossless on any
+    Pruning looks at which SSMs agree, so a pool's pruned sampled chains (or one SSM's several
+    chains, `ChainShape(samples=k)`, kept by their probabilities) are no longer children sampled
+    independently from their q: multi-step speculative sampling is not lossless on them, and
+    `tree_kind` says SELECTED, whose only sampling rule is target sampling (lossless on any
     tree fixed before the LLM's draws, ALGORITHMS.md section 2). Beam and topology trees are
     verified by target sampling too (or, for one SSM, by sampling without replacement: with one
     SSM every weight is equal and pruning keeps a breadth-first prefix, i.e. each node's
@@ -327,7 +328,8 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
 
     def tree_kind(self, do_sample: bool) -> DraftKind:
         kind = super().tree_kind(do_sample)
-        return DraftKind.SELECTED if kind is DraftKind.SAMPLED and self.num_ssms > 1 else kind
+        several = self.num_ssms > 1 or getattr(self.shape, "samples", 1) > 1  # chains compared
+        return DraftKind.SELECTED if kind is DraftKind.SAMPLED and several else kind
 
     def reset(self, seed: int | None) -> None:
         super().reset(seed)

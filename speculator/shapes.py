@@ -9,13 +9,27 @@ from specboost.speculator.tree import DraftKind
 
 @dataclass(frozen=True)
 class ChainShape:
-    """A chain of `length` tokens, greedy or sampled."""
+    """A chain of `length` tokens, greedy or sampled.
+
+    `samples` > 1 (sampling only): the SSM draws that many chains independently from its q,
+    each along its own path, merged into one tree (SpecTr's setting: k i.i.d. drafts from one q;
+    chains through the same node share its scores, the node is fed once, but draw their next
+    tokens independently). Verify them with rule="k_sequential" (SpecTr's k-sequential selection,
+    ALGORITHMS.md section 15) or "mss". Greedy chains are all the argmax chain, so under
+    do_sample=False the SSM drafts one chain whatever `samples` says."""
 
     length: int = 4
+    samples: int = 1
 
     def __post_init__(self) -> None:
         if self.length < 1:
             raise ValueError(f"chain length must be >= 1, got {self.length}")
+        if self.samples < 1:
+            raise ValueError(f"chain samples must be >= 1 (sampled chains per SSM), got {self.samples}")
+
+    def __repr__(self) -> str:  # one chain reads as it always did (reports and benchmark labels)
+        samples = f", samples={self.samples}" if self.samples != 1 else ""
+        return f"ChainShape(length={self.length}{samples})"
 
     def kind(self, do_sample: bool) -> DraftKind:
         return DraftKind.SAMPLED if do_sample else DraftKind.GREEDY

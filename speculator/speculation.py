@@ -7,7 +7,7 @@ learned scheduler) plug in without touching the loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -106,7 +106,7 @@ class PoolSpeculator:
         """What every SSM drafts in the next step."""
         if self.length_controller is None:
             return self.shape
-        return ChainShape(self.length_controller.length())
+        return replace(self.shape, length=self.length_controller.length())
 
     def draft_merged(self, request: DraftRequest, probs: LogitsToProbs) -> TokenTree:
         """Every SSM drafts `step_shape()` with `probs` (greedy or sampled); the trees merged."""

@@ -21,18 +21,23 @@ class DraftKind(str, Enum):
     GREEDY = "greedy"  # argmax chains
     BEAM = "beam"  # beam search (SpecInfer)
     TOP_K = "top_k"  # fixed topology filled with top-k children
-    SAMPLED = "sampled"  # children drawn i.i.d. (with replacement) from the recorded q
+    SAMPLED = "sampled"  # children drawn independently (with replacement) from the recorded q's
     SAMPLED_WITHOUT_REPLACEMENT = "sampled_without_replacement"  # one q per node, drawn w/o replacement
     SELECTED = "selected"  # nodes kept by looking at several SSMs' drafts: greedy/target only
 
 
 @dataclass
 class Proposal:
-    """One SSM's proposal of a child token, with the distribution it was sampled from (or None)."""
+    """One SSM's proposal of a child token, with the distribution it was sampled from (or None).
+
+    (`ssm`, `draw`) orders the proposals at a node for sampled verification: the order must not
+    depend on the drawn tokens, so several chains of one SSM (`ChainShape(samples=k)`) are taken
+    in the order they were drawn, not grouped by the token they drew."""
 
     ssm: int
     q: torch.Tensor | None  # [V] draft distribution at the parent, after logits processing
     p: float | None = None  # the SSM's own probability of the token there (None: not recorded)
+    draw: int = 0  # which of the SSM's chains drew it (0 for an SSM drafting one)
 
 
 @dataclass
@@ -84,14 +89,21 @@ class TokenTree:
         return child
 
     def add_child(
-        self, parent: int, token: int, ssm: int, q: torch.Tensor | None = None, p: float | None = None
+        self,
+        parent: int,
+        token: int,
+        ssm: int,
+        q: torch.Tensor | None = None,
+        p: float | None = None,
+        draw: int = 0,
     ) -> int:
         """Insert `token` under `parent` and record SSM `ssm`'s proposal of it (with the distribution
-        `q` it was drawn from and the SSM's probability `p` of it, when known)."""
+        `q` it was drawn from and the SSM's probability `p` of it, when known; `draw`: which of the
+        SSM's chains drew it)."""
         child = self.insert(parent, token)
         self.ssms[child].add(ssm)
         self.ssms[parent].add(ssm)
-        self.proposals[child].append(Proposal(ssm, q, p))
+        self.proposals[child].append(Proposal(ssm, q, p, draw))
         return child
 
     def add_sequence(

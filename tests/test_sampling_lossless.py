@@ -4,12 +4,15 @@ Three layers of evidence (ALGORITHMS.md section 2):
 
 1. Exact algebra, no randomness: for hand-made p and q, the probability that one verification
    step emits token x (accepted child or correction), summed over every way the children can be
-   drawn, equals p(x) for MSS (one or several proposals, from one or several q) and for sampling
-   without replacement. Uses the library's own `_residual`.
+   drawn, equals p(x) for MSS (one or several proposals, from one or several q), for sampling
+   without replacement and for the k-sequential rule (`decoder/multi_draft.py`: SpecTr's rule,
+   its generalisation to different q's, and the per-node choice between it and MSS), whose exact
+   acceptance is also checked against MSS's. Uses the library's own `_residual` and plans.
 2. The rules in `decoder/verify.py` on hand-built `TokenTree`s (no models), sampled many times
    with a `torch.Generator` and compared with p by a chi-square goodness-of-fit test; plus the
    properties Sequoia proves (k=1 acceptance = 1 - ||p - q||_1 / 2; without replacement with
-   children covering the support always accepts).
+   children covering the support always accepts); the k-sequential rule's measured acceptance
+   against MSS's on the same trees.
 3. End to end: a tiny-vocabulary LLM and 1-2 different SSMs, `SpeculativeDecoder.generate`
    called E2E_SAMPLES (600) times per configuration with distinct seeds, and the joint
    distribution of the generated tokens compared with the exact one, P(t1, t2[, t3]) =
@@ -21,11 +24,15 @@ Statistics: chi-square goodness of fit (`scipy.stats.chisquare`) with cells of e
 so the p-values are deterministic (no flakiness); for a fresh choice of seeds a correct
 implementation would fail a check by chance with probability 0.001. The same harness
 must REJECT deliberately wrong rules (accept every draft; MSS without the residual
-renormalisation) with p-value < 1e-6, which shows it has the power to catch real mistakes.
+renormalisation; the k-sequential rule without its feasibility check, or accepting as plain
+speculative sampling does but falling back to the k-sequential residual) with p-value < 1e-6,
+which shows it has the power to catch real mistakes.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -35,9 +42,19 @@ import torch
 from conftest import tiny_llama
 from scipy import stats
 
-from specboost.decoder import BeamShape, ChainShape, Rule, SpeculativeDecoder, TopologyShape, verify
+from specboost.decoder import (
+    BeamShape,
+    ChainShape,
+    Rule,
+    SpeculativeDecoder,
+    TopologyShape,
+    multi_draft,
+    verify,
+)
+from specboost.decoder.multi_draft import NodePlan, best_plan, k_sequential_plan, mss_plan
 from specboost.decoder.verify import (
     Verdict,
+    verify_k_sequential,
     verify_mss,
     verify_target,
     verify_without_replacement,
@@ -123,6 +140,25 @@ def _no_residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r
 
 
+def unchecked_rho(p: torch.Tensor, qs: list[torch.Tensor]) -> float:
+    """WRONG k-sequential search: rho = 1 whatever c is (SpecTr's c <= rho, i.e. S <= p, unchecked)."""
+    return 1.0
+
+
+def speculative_acceptance_with_k_sequential_residual(p: torch.Tensor, qs: list[torch.Tensor]) -> NodePlan:
+    """WRONG plan: accepts with min(1, p / q), as plain speculative sampling does, but falls back
+    to the k-sequential residual (which assumes acceptance min(1, p / (rho q)))."""
+    plan = k_sequential_plan(p, qs)
+    accept = [torch.where(q > 0, torch.clamp(p.double() / q.double(), max=1.0), 0.0) for q in qs]
+    return NodePlan(accept, plan.residual, 0.0, "wrong")
+
+
+def grouped_by_token(draws: tuple[int, ...]) -> list[int]:
+    """WRONG order: the proposals grouped by the token (child) they drew, children in order of
+    appearance; what ordering by SSM alone does to several draws of one SSM."""
+    return sorted(range(len(draws)), key=lambda i: draws.index(draws[i]))
+
+
 # 1. Exact algebra ------------------------------------------------------------------------------------
 def exact_mss(p: torch.Tensor, qs: list[torch.Tensor]) -> torch.Tensor:
     """P(emit x) at one node whose proposals are x_i ~ qs[i] independently, verified by MSS in order."""
@@ -186,6 +222,121 @@ def test_exact_wrong_residual_is_not_lossless() -> None:
     assert not torch.allclose(broken, p, atol=1e-3)
 
 
+# k-sequential selection (decoder/multi_draft.py): every draw of the k proposals enumerated.
+def exact_plan(
+    p: torch.Tensor,
+    qs: list[torch.Tensor],
+    plan: NodePlan,
+    order: Callable[[tuple[int, ...]], list[int]] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """P(emit x) at one node and P(some proposal is accepted), over every draw (x_1..x_k) with
+    x_i ~ qs[i] independently: the proposal at position t is accepted with probability
+    plan.accept[t] of its token; the fallback is plan.residual. `order(draws)`: the proposal at
+    each position (default: drawing order)."""
+    out, accepted = torch.zeros_like(p), 0.0
+    for draws in itertools.product(range(len(p)), repeat=len(qs)):
+        weight = math.prod(float(q[x]) for q, x in zip(qs, draws, strict=True))
+        if weight == 0:
+            continue
+        reach = 1.0  # every earlier position rejected
+        for position, i in enumerate(order(draws) if order else range(len(draws))):
+            accept = float(plan.accept[position][draws[i]])
+            out[draws[i]] += weight * reach * accept
+            reach *= 1 - accept
+        out += weight * reach * plan.residual
+        accepted += weight * (1 - reach)
+    return out, accepted
+
+
+def k_draft_qs(seed: int, k: int, same: bool) -> list[torch.Tensor]:
+    """k draft distributions (with zeros): one q drawn k times (SpecTr), or k different q's."""
+    if same:
+        return [random_dist(300 + seed, scale=2.0, zeros=(seed + 1) % 2)] * k
+    return [random_dist(100 + seed + i, scale=0.5 + i, zeros=i % 2) for i in range(k)]
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["one_q", "different_qs"])
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_k_sequential_is_lossless(seed: int, same: bool) -> None:
+    """k = 1, 2, 3 proposals, p and q with zeros: the k-sequential rule, MSS as a rule of the same
+    family, and the per-node choice between them emit p exactly, with the acceptance each plan
+    states; the choice never accepts less than MSS; k = 1 is speculative sampling; with one q it
+    is SpecTr's rule (S = c m, R = (p - c m) / (1 - beta)^k)."""
+    p = random_dist(seed, zeros=seed % 2)
+    for k in (1, 2, 3):
+        qs = k_draft_qs(seed, k, same)
+        mss, k_sequential, best = mss_plan(p, qs), k_sequential_plan(p, qs), best_plan(p, qs)
+        for plan in (mss, k_sequential, best):
+            out, accepted = exact_plan(p, qs, plan)
+            torch.testing.assert_close(out, p, rtol=0, atol=1e-12)
+            assert accepted == pytest.approx(plan.acceptance, abs=1e-12)
+        assert best.acceptance == pytest.approx(max(mss.acceptance, k_sequential.acceptance), abs=1e-15)
+        assert 1 <= k_sequential.rho <= k
+        if k == 1:
+            assert k_sequential.rho == 1
+            assert k_sequential.acceptance == pytest.approx(1 - tv(p, qs[0]), abs=1e-12)
+        if same:
+            m = torch.minimum(qs[0], p / k_sequential.rho)
+            beta = float(m.sum())
+            c = (1 - (1 - beta) ** k) / beta
+            spectr = torch.clamp(p - c * m, min=0) / (1 - beta) ** k
+            torch.testing.assert_close(k_sequential.residual, spectr, rtol=0, atol=1e-12)
+            assert k_sequential.acceptance == pytest.approx(1 - (1 - beta) ** k, abs=1e-12)
+
+
+def test_exact_k_sequential_edge_cases() -> None:
+    """Disjoint supports (beta = 0): nothing accepted, the fallback is p; q = p: always accepted,
+    rho = 1; a one-hot p; no proposals at all (a leaf)."""
+    p = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+    disjoint = torch.tensor([0.0, 0.0, 0.25, 0.75], dtype=torch.float64)
+    one_hot = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    for k in (1, 2, 3):
+        plan = best_plan(p, [disjoint] * k)
+        assert plan.acceptance == 0 and torch.equal(plan.residual, p)
+        plan = k_sequential_plan(p, [p] * k)
+        assert plan.rho == 1 and plan.acceptance == pytest.approx(1.0, abs=1e-15)
+        qs = [random_dist(400 + i, vocab=4) for i in range(k)]
+        for target in (p, one_hot):
+            torch.testing.assert_close(
+                exact_plan(target, qs, best_plan(target, qs))[0], target, rtol=0, atol=1e-12
+            )
+    leaf = best_plan(p, [])
+    assert leaf.accept == [] and torch.equal(leaf.residual, p) and leaf.acceptance == 0
+
+
+# An SSM sharper than the LLM (trained on greedy text, or the LLM sampled hotter): T = 0.5 on both.
+SHARP_P = torch.softmax(torch.tensor([2.0, 1.5, 0.5, 0.0, -1.0], dtype=torch.float64) / 0.5, -1)
+SHARP_Q = torch.softmax(torch.tensor([2.5, 1.0, 0.8, -0.5, -1.0], dtype=torch.float64) / 0.5, -1)
+
+
+def test_exact_k_sequential_beats_mss_on_draws_of_one_sharper_q() -> None:
+    """k draws of one q that over-weights the LLM's favourite: once MSS rejects the favourite, its
+    residual is 0 there and every later draw of it (most of them) is rejected; the k-sequential
+    rule keeps accepting it with probability p / (rho q). Exact acceptances (k = 1: equal)."""
+    gains = []
+    for k in (1, 2, 3, 4):
+        qs = [SHARP_Q] * k
+        k_sequential, mss = k_sequential_plan(SHARP_P, qs), mss_plan(SHARP_P, qs)
+        gains.append(k_sequential.acceptance - mss.acceptance)
+        print(f"k={k}: k_sequential {k_sequential.acceptance:.4f}, mss {mss.acceptance:.4f}")
+        best = best_plan(SHARP_P, qs).acceptance
+        assert best == pytest.approx(max(k_sequential.acceptance, mss.acceptance), abs=1e-15)
+    assert gains[0] == pytest.approx(0, abs=1e-15)
+    assert all(gain > 0.01 for gain in gains[1:]) and gains[1] < gains[2] < gains[3]
+
+
+def test_exact_wrong_k_sequential_variants_are_not_lossless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 draws of one q: without the feasibility check (rho = 1 with c > rho), with speculative
+    sampling's acceptance and the k-sequential residual, or with the proposals grouped by the token
+    they drew instead of drawing order, the output is not p."""
+    qs = [Q] * 4
+    ordered = k_sequential_plan(P, qs)
+    assert tv(exact_plan(P, qs, ordered, order=grouped_by_token)[0], P) > 0.01
+    assert tv(exact_plan(P, qs, speculative_acceptance_with_k_sequential_residual(P, qs))[0], P) > 0.1
+    monkeypatch.setattr(multi_draft, "smallest_feasible_rho", unchecked_rho)
+    assert tv(exact_plan(P, qs, k_sequential_plan(P, qs))[0], P) > 0.1
+
+
 # 2. Rules on hand-built trees ----------------------------------------------------------------------
 P = torch.tensor([0.35, 0.25, 0.2, 0.15, 0.05], dtype=torch.float64)
 Q = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15], dtype=torch.float64)
@@ -226,6 +377,20 @@ def sampled_children(qs: list[torch.Tensor]) -> Callable[[torch.Generator], Toke
         tree = TokenTree.root_only(0, DraftKind.SAMPLED)
         for ssm, q in enumerate(qs):
             tree.add_child(0, int(torch.multinomial(q, 1, generator=gen)), ssm, q)
+        return tree
+
+    return draft
+
+
+def pool_draws(qs: list[torch.Tensor], samples: int) -> Callable[[torch.Generator], TokenTree]:
+    """SSM i draws `samples` tokens independently from qs[i] (draw indices 0..samples-1), as
+    `ChainShape(samples=k)` chains do at a node; equal tokens merge into one node."""
+
+    def draft(gen: torch.Generator) -> TokenTree:
+        tree = TokenTree.root_only(0, DraftKind.SAMPLED)
+        for ssm, q in enumerate(qs):
+            for j in range(samples):
+                tree.add_child(0, int(torch.multinomial(q, 1, generator=gen)), ssm, q, draw=j)
         return tree
 
     return draft
@@ -320,6 +485,59 @@ def test_wrong_rules_fail_one_step(wrong: str, draft, monkeypatch: pytest.Monkey
     assert pvalue < WRONG_P, f"the harness failed to reject {wrong}: p-value {pvalue:.2e}"
 
 
+K_SEQUENTIAL_DRAFTS = {  # name -> (one q per SSM, draws per SSM)
+    "one_draft": ([Q], 1),
+    "one_q_twice": ([Q], 2),
+    "one_q_4_times": ([Q], 4),
+    "two_ssms": ([Q, Q2], 1),
+    "two_ssms_twice": ([Q, Q2], 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(K_SEQUENTIAL_DRAFTS))
+def test_k_sequential_one_step_emits_p(case: str) -> None:
+    """1, 2 and 4 drafts, of one SSM or two: the output is p and the acceptance the exact one."""
+    qs, samples = K_SEQUENTIAL_DRAFTS[case]
+    counts, accepted = one_node_outputs(verify_k_sequential, P, pool_draws(qs, samples), UNIT_DRAWS, seed=11)
+    pvalue = gof_pvalue(counts, P)
+    assert pvalue >= ALPHA, f"k_sequential ({case}) does not emit p: p-value {pvalue:.2e}, counts {counts}"
+    rate = best_plan(P, [q for q in qs for _ in range(samples)]).acceptance  # in drawing order
+    binom = stats.binomtest(accepted, UNIT_DRAWS, rate).pvalue
+    assert binom >= ALPHA, f"acceptance {accepted / UNIT_DRAWS:.4f}, exact {rate:.4f}"
+
+
+@pytest.mark.parametrize("wrong", ["unchecked_rho", "speculative_acceptance"])
+def test_wrong_k_sequential_variants_fail_one_step(wrong: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness rejects the k-sequential rule without its feasibility check, and with plain
+    speculative sampling's acceptance in front of the k-sequential residual."""
+    if wrong == "unchecked_rho":
+        monkeypatch.setattr(multi_draft, "smallest_feasible_rho", unchecked_rho)
+    else:
+        monkeypatch.setattr(verify, "best_plan", speculative_acceptance_with_k_sequential_residual)
+    counts, _ = one_node_outputs(verify_k_sequential, P, pool_draws([Q], 4), UNIT_DRAWS, seed=12)
+    pvalue = gof_pvalue(counts, P)
+    assert pvalue < WRONG_P, f"the harness failed to reject {wrong}: p-value {pvalue:.2e}"
+
+
+def test_k_sequential_accepts_more_than_mss_on_the_same_trees() -> None:
+    """Measured: the same 2000 one-level trees of 4 draws of SHARP_Q, verified by both rules. The
+    k-sequential rule accepts at least as often as MSS (here more: exact 0.8412 against 0.8098),
+    and each rule's acceptance matches its exact value."""
+    gen = torch.Generator().manual_seed(13)
+    trees = [pool_draws([SHARP_Q], 4)(gen) for _ in range(2000)]
+    rates = {}
+    for rule in (verify_mss, verify_k_sequential):
+        gen = torch.Generator().manual_seed(14)
+        verdicts = [rule(tree, SHARP_P.expand(len(tree), -1), gen) for tree in trees]
+        rates[rule.__name__] = sum(bool(v.accepted) for v in verdicts) / len(trees)
+    exact = {"verify_mss": mss_plan, "verify_k_sequential": k_sequential_plan}
+    print(f"measured acceptance on the same trees: {rates}")
+    for name, rate in rates.items():
+        expected = exact[name](SHARP_P, [SHARP_Q] * 4).acceptance
+        assert stats.binomtest(round(rate * len(trees)), len(trees), expected).pvalue >= ALPHA
+    assert rates["verify_k_sequential"] >= rates["verify_mss"]
+
+
 # Two levels: p and q depend on the context; the rule walks down the tree.
 def conditional_tables(seed: int, vocab: int = 5, scale: float = 1.5) -> tuple[torch.Tensor, torch.Tensor]:
     """[V] first-token and [V, V] second-token distributions."""
@@ -353,9 +571,9 @@ def two_level_joint_counts(
 
 
 def two_level_draft(
-    kind: DraftKind, q1s: list[torch.Tensor], q2s: list[torch.Tensor], width: int = 1
+    kind: DraftKind, q1s: list[torch.Tensor], q2s: list[torch.Tensor], width: int = 1, samples: int = 1
 ) -> Callable[[torch.Generator], TokenTree]:
-    """SAMPLED: one chain of 2 per SSM (x1 ~ q1s[i], x2 ~ q2s[i][x1]), merged.
+    """SAMPLED: `samples` chains of 2 per SSM (x1 ~ q1s[i], x2 ~ q2s[i][x1]), merged.
     SAMPLED_WITHOUT_REPLACEMENT: `width` children w/o replacement, each with `width` children.
     TOP_K: the top-`width` tokens of q at every node."""
 
@@ -363,9 +581,11 @@ def two_level_draft(
         tree = TokenTree.root_only(0, kind)
         if kind is DraftKind.SAMPLED:
             for ssm, (q1, q2) in enumerate(zip(q1s, q2s, strict=True)):
-                x1 = int(torch.multinomial(q1, 1, generator=gen))
-                node = tree.add_child(0, x1, ssm, q1)
-                tree.add_child(node, int(torch.multinomial(q2[x1], 1, generator=gen)), ssm, q2[x1])
+                for j in range(samples):
+                    x1 = int(torch.multinomial(q1, 1, generator=gen))
+                    node = tree.add_child(0, x1, ssm, q1, draw=j)
+                    x2 = int(torch.multinomial(q2[x1], 1, generator=gen))
+                    tree.add_child(node, x2, ssm, q2[x1], draw=j)
             return tree
         q1, q2 = q1s[0], q2s[0]
         if kind is DraftKind.SAMPLED_WITHOUT_REPLACEMENT:
@@ -406,6 +626,30 @@ def test_wrong_rule_fails_two_levels() -> None:
     draft = two_level_draft(DraftKind.SAMPLED, [q1], [q2])
     counts = two_level_joint_counts(accept_every_draft, draft, p1, p2, UNIT_DRAWS, seed=9)
     assert gof_pvalue(counts, p1[:, None] * p2) < WRONG_P
+
+
+@pytest.mark.parametrize(
+    ("rule", "ssms", "samples"),
+    [
+        (verify_k_sequential, 1, 1),
+        (verify_k_sequential, 1, 2),
+        (verify_k_sequential, 1, 4),
+        (verify_k_sequential, 2, 2),
+        (verify_mss, 1, 4),
+    ],
+)
+def test_sampled_chains_two_levels_emit_joint_p(rule, ssms: int, samples: int) -> None:
+    """Chains of 2, `samples` per SSM (chains through a node draw their next tokens independently),
+    merged: k_sequential with 1, 2 and 4 drafts (one SSM) and 4 (two SSMs x 2); MSS with several
+    draws of one SSM, taken in drawing order."""
+    p1, p2 = conditional_tables(7)
+    tables = [conditional_tables(8 + i, scale=1.0 + i) for i in range(ssms)]
+    draft = two_level_draft(
+        DraftKind.SAMPLED, [t[0] for t in tables], [t[1] for t in tables], samples=samples
+    )
+    counts = two_level_joint_counts(rule, draft, p1, p2, UNIT_DRAWS, seed=15)
+    pvalue = gof_pvalue(counts, p1[:, None] * p2)
+    assert pvalue >= ALPHA, f"{rule.__name__}, {ssms} SSMs x {samples} chains: p-value {pvalue:.2e}"
 
 
 # 3. End to end through SpeculativeDecoder.generate ---------------------------------------------------
@@ -549,6 +793,115 @@ def test_wrong_rule_fails_end_to_end(models, wrong: str, monkeypatch: pytest.Mon
     sampling = dict(temperature=1.0)
     dec = SpeculativeDecoder(models["llm"], [models["ssm_a"]], shape=ChainShape(1))
     counts, _ = sample_decoder(dec, 400, 2, seed0=60_000, **sampling)
+    exact = exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 2)
+    pvalue = gof_pvalue(counts, exact)
+    assert pvalue < WRONG_P, f"{wrong} was not detected: p-value {pvalue:.2e}"
+
+
+# name -> (SSMs, shape, sampling options): two temperatures, top-k and top-p each at least once
+K_SEQUENTIAL_E2E = {
+    "one_ssm_1_chain": (["ssm_a"], ChainShape(3), dict(temperature=0.7, top_k=4)),
+    "one_ssm_2_chains": (["ssm_a"], ChainShape(2, samples=2), dict(temperature=1.3, top_p=0.9)),
+    "one_ssm_4_chains": (["ssm_b"], ChainShape(2, samples=4), dict(temperature=0.7, top_p=0.9)),
+    "two_ssms": (["ssm_a", "ssm_b"], ChainShape(2), dict(temperature=1.3, top_k=4)),
+    "two_ssms_2_chains": (["ssm_a", "ssm_b"], ChainShape(2, samples=2), dict(temperature=0.7)),
+}
+
+
+@pytest.mark.parametrize("case", list(K_SEQUENTIAL_E2E))
+def test_k_sequential_end_to_end(models, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rule='k_sequential' on one SSM drawing 1, 2 and 4 sampled chains and on two SSMs (1 or 2
+    chains each), merged: the output has the LLM's joint distribution. Checks that every chain
+    reached the root (SSMs x samples proposals there) and that nodes with several proposals were
+    verified (the rule's choice between k-sequential and MSS is recorded)."""
+    names, shape, sampling = K_SEQUENTIAL_E2E[case]
+    seen: Counter = Counter()
+
+    def spy(p: torch.Tensor, qs: list[torch.Tensor]) -> NodePlan:
+        plan = best_plan(p, qs)
+        seen["root_proposals"] = max(seen["root_proposals"], len(qs))
+        seen[plan.rule] += len(qs) > 1
+        return plan
+
+    monkeypatch.setattr(verify, "best_plan", spy)
+    dec = SpeculativeDecoder(models["llm"], [models[n] for n in names], shape=shape, rule="k_sequential")
+    seed0 = 70_000 + 1000 * list(K_SEQUENTIAL_E2E).index(case)
+    check_decoder(dec, 3, seed0=seed0, min_accepted=0.3, **sampling)
+    print(f"nodes with several proposals verified by: {dict(seen)}")
+    assert seen["root_proposals"] == len(names) * shape.samples
+    if seen["root_proposals"] > 1:
+        assert seen["k_sequential"] + seen["mss"] > 0
+
+
+def test_k_sequential_batched(models) -> None:
+    """A batch (4 rows of the prompt, each with its own seed): several chains per SSM are drafted
+    per sequence by the tree plans, at the batch's (BASS) chain lengths; still lossless."""
+    dec = SpeculativeDecoder(
+        models["llm"], [models["ssm_a"]], shape=ChainShape(2, samples=2), rule="k_sequential"
+    )
+    counts: Counter = Counter()
+    sampling = dict(temperature=1.0, top_k=5)
+    for seed in range(80_000, 80_000 + E2E_SAMPLES // 4):
+        out = dec.generate(
+            torch.tensor([PROMPT] * 4),
+            max_new_tokens=2,
+            do_sample=True,
+            seed=seed,
+            eos_token_id=None,
+            **sampling,
+        )
+        for row in out.sequences[:, len(PROMPT) :].tolist():
+            counts[tuple(row)] += 1
+    assert sum(s.accepted_tokens for s in out.stats.sequences) > 0
+    exact = exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 2)
+    assert_lossless(counts, exact, "batched k_sequential")
+
+
+def test_k_sequential_end_to_end_accepts_at_least_as_much_as_mss(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured through the decoder: one SSM drawing 4 chains of 2, T=1.3. At every node of the
+    real trees with several proposals, the exact acceptance of the rule k_sequential used is at
+    least MSS's for the same proposals, and more in total. Both rules, run with the same seeds,
+    are lossless (MSS on several draws of one SSM too, taken in drawing order); their realised
+    acceptances are printed, not compared (600 calls cannot resolve a gain of this size)."""
+    exact: dict[str, list[float]] = {"k_sequential": [], "mss": []}
+
+    def spy(p: torch.Tensor, qs: list[torch.Tensor]) -> NodePlan:
+        plan = best_plan(p, qs)
+        if len(qs) > 1:
+            exact["k_sequential"].append(plan.acceptance)
+            exact["mss"].append(mss_plan(p, qs).acceptance)
+        return plan
+
+    monkeypatch.setattr(verify, "best_plan", spy)
+    sampling = dict(temperature=1.3)
+    joint = exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 3)
+    realised = {}
+    for rule in ("mss", "k_sequential"):
+        dec = SpeculativeDecoder(models["llm"], [models["ssm_a"]], shape=ChainShape(2, samples=4), rule=rule)
+        counts, realised[rule] = sample_decoder(dec, E2E_SAMPLES, 3, seed0=90_000, **sampling)
+        assert_lossless(counts, joint, rule)
+    nodes = len(exact["mss"])
+    mean = {rule: sum(values) / nodes for rule, values in exact.items()}
+    print(f"exact acceptance per node with several proposals ({nodes} nodes): {mean}")
+    print(f"realised accepted drafts per call (3 new tokens): {realised}")
+    assert all(k >= m for k, m in zip(exact["k_sequential"], exact["mss"], strict=True))
+    assert mean["k_sequential"] > mean["mss"]
+
+
+@pytest.mark.parametrize("wrong", ["unchecked_rho", "speculative_acceptance"])
+def test_wrong_k_sequential_fails_end_to_end(models, wrong: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end-to-end harness rejects the two broken k-sequential variants."""
+    if wrong == "unchecked_rho":
+        monkeypatch.setattr(multi_draft, "smallest_feasible_rho", unchecked_rho)
+    else:
+        monkeypatch.setattr(verify, "best_plan", speculative_acceptance_with_k_sequential_residual)
+    sampling = dict(temperature=1.0)
+    dec = SpeculativeDecoder(
+        models["llm"], [models["ssm_a"]], shape=ChainShape(1, samples=4), rule="k_sequential"
+    )
+    counts, _ = sample_decoder(dec, 400, 2, seed0=95_000, **sampling)
     exact = exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 2)
     pvalue = gof_pvalue(counts, exact)
     assert pvalue < WRONG_P, f"{wrong} was not detected: p-value {pvalue:.2e}"

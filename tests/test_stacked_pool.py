@@ -10,9 +10,12 @@ from conftest import noisy_copy, tiny_gpt2, tiny_llama
 from test_architectures import ARCHS, models
 
 from specboost.decoder import ChainShape, SpeculativeDecoder
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.kv_cache import TreeCache
+from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.speculation import pool_drafters
 from specboost.speculator.stacked_pool import StackedLeaf, stack_pool, why_not_stackable
+from specboost.speculator.tree import DraftKind
 
 
 def pool_of(arch: str, members: int = 3) -> list[torch.nn.Module]:
@@ -82,3 +85,32 @@ def test_the_decoder_drafts_every_level_of_a_stacked_pool_in_one_pass(strategy: 
     assert out.sequences.tolist() == llm.generate(ids, do_sample=False, max_new_tokens=24).tolist()
     assert out.stats.draft_levels <= 4 * out.stats.llm_steps
     assert out.stats.draft_levels >= 4 * (out.stats.llm_steps - 2)  # shorter chains near the end only
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "one_by_one"])
+def test_several_sampled_chains_per_ssm_draw_from_their_own_q(stack: bool) -> None:
+    """ChainShape(3, samples=3) for a pool of 3: every SSM's tree holds its 3 chains of 3 (chain j's
+    proposals carry draw index j along one root-to-leaf path), every proposal's q is that SSM's
+    own distribution after the node's text (a plain forward pass), and the pool drafts in 3
+    levels however many chains it draws (chains through one node share its scores)."""
+    ssms = pool_of("llama")
+    drafter = PoolDrafter(ssms, stack=stack)
+    assert drafter.stacked == stack
+    probs = LogitsToProbs(SamplingConfig(do_sample=True, temperature=1.5))
+    verified = [3, 9, 4, 1, 7]
+    generators = [torch.Generator().manual_seed(i) for i in range(len(ssms))]
+    trees = drafter.draft(verified, [ChainShape(3, samples=3)] * len(ssms), probs, 8, generators)
+    assert drafter.levels == 3
+    assert min(len(tree) for tree in trees) < 1 + 3 * 3  # some chains share a node (these seeds)
+    for i, (model, tree) in enumerate(zip(ssms, trees, strict=True)):
+        assert tree.kind is DraftKind.SAMPLED and len(tree) <= 1 + 3 * 3
+        for draw in range(3):
+            path = [u for u in range(1, len(tree)) if any(prop.draw == draw for prop in tree.proposals[u])]
+            assert [tree.depths[u] for u in path] == [1, 2, 3] and tree.path_to(path[-1]) == path
+        for u in range(1, len(tree)):
+            text = verified + [tree.tokens[v] for v in tree.path_to(tree.parents[u])]
+            with torch.no_grad():
+                want = torch.softmax(model(torch.tensor([text])).logits[0, -1].double() / 1.5, -1)
+            for proposal in tree.proposals[u]:
+                assert proposal.ssm == i
+                torch.testing.assert_close(proposal.q.double(), want, rtol=0, atol=1e-6)

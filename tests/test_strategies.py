@@ -17,9 +17,10 @@ from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, SSMPool
 from specboost.decoder.cli import main as cli_main
 from specboost.decoder.strategies import STRATEGIES
 from specboost.decoder.tiny_models import build_tiny_models
-from specboost.speculator.majority import MajorityConfig, MajoritySpeculator
+from specboost.speculator.majority import MajorityConfig, MajoritySpeculator, PrunedPoolSpeculator
 from specboost.speculator.sequoia_acceptance import AcceptanceVector, save_acceptance_file
 from specboost.speculator.speculation import PoolSpeculator
+from specboost.speculator.tree import DraftKind
 
 WEAK = AcceptanceVector((0.3, 0.2), "greedy", 100)
 STRONG = AcceptanceVector((0.8, 0.5, 0.2), "greedy", 100)
@@ -30,6 +31,7 @@ COST = cost_table(2, [1.0, 1.1, 1.3, 2.0, 4.0], {"1,1": 0.2, "1,4": 0.8, "2,1": 
 STRATEGY_CASES = {
     "pool": (dict(shape=ChainShape(3)), "pool"),
     "pool-bass": (dict(shape=ChainShape(3), length_controller="bass"), "pool"),
+    "pool-samples": (dict(shape=ChainShape(3, samples=3)), "pool"),  # greedy: one argmax chain each
     "learned": (
         dict(predictor=constant_predictor([[[0.5, 1.5], [1.0, 2.5]]] * 2), cost_model=COST),
         "learned",
@@ -102,6 +104,15 @@ def test_the_pool_supplies_weights_and_acceptance_vectors() -> None:
         SSMPool(ssms, None, {}, [0.5, 0.5], acceptance=[STRONG])
 
 
+def test_pruning_several_chains_of_one_ssm_leaves_target_sampling() -> None:
+    """Pruning compares one SSM's sampled chains by their probabilities, so the kept nodes are no
+    longer independent draws: SELECTED (target sampling), as for a pool; one chain stays SAMPLED."""
+    ssm = noisy_ssm("llama", 0, 0.1, 0)
+    several = PrunedPoolSpeculator([ssm], ChainShape(3, samples=2), budget=4)
+    assert several.tree_kind(True) is DraftKind.SELECTED and several.tree_kind(False) is DraftKind.GREEDY
+    assert PrunedPoolSpeculator([ssm], ChainShape(3), budget=4).tree_kind(True) is DraftKind.SAMPLED
+
+
 def test_length_controllers_drive_pool_chains() -> None:
     llm, ssm = llm_for("llama", 1), noisy_ssm("llama", 1, 0.1, 0)
     speculator = SpeculativeDecoder(llm, [ssm], length_controller="minions").speculator
@@ -134,6 +145,10 @@ ERRORS = {
     "majority of beams": (
         dict(strategy="majority", shape=BeamShape(2, 2)),
         "votes on chains: use shape=ChainShape",
+    ),
+    "majority of several chains per SSM": (
+        dict(strategy="majority", shape=ChainShape(3, samples=2)),
+        r"does not apply: use shape=ChainShape\(3\)",
     ),
     "sequoia with a shape": (
         dict(strategy="sequoia", shape=ChainShape(3)),
@@ -210,6 +225,16 @@ def test_cli_pruned_and_sequoia(tiny, capsys: pytest.CaptureFixture[str], tmp_pa
     assert sequoia["stats"]["strategy"]["ssm"] == 1 and sequoia["stats"]["strategy"]["nodes"] == 6
 
 
+def test_cli_several_sampled_chains_per_ssm(tiny, capsys: pytest.CaptureFixture[str]) -> None:
+    """--chain-samples K drafts K sampled chains per SSM (verified here by --rule k_sequential)."""
+    options = ("--do-sample", "--temperature", "1.0", "--seed", "0", "--length", "2")
+    one = generate_json(tiny, capsys, *options, "--rule", "k_sequential")
+    three = generate_json(tiny, capsys, *options, "--rule", "k_sequential", "--chain-samples", "3")
+    assert three["stats"]["strategy"]["shape"] == "ChainShape(length=2, samples=3)"
+    per_step = [r["stats"]["draft_tokens"] / r["stats"]["llm_steps"] for r in (one, three)]
+    assert per_step[1] > per_step[0]  # more chains, more drafted nodes
+
+
 def test_cli_reports_invalid_strategy_settings(tiny, capsys: pytest.CaptureFixture[str]) -> None:
     llm_dir, ssm_dirs = tiny
     argv = ["generate", "--llm", str(llm_dir), "--ssm", str(ssm_dirs[0]), "--prompt", "Once"]
@@ -219,3 +244,5 @@ def test_cli_reports_invalid_strategy_settings(tiny, capsys: pytest.CaptureFixtu
     )
     assert cli_main([*argv, "--shape", "beam", "--length-controller", "minions"]) == 2
     assert "a length controller sets chain lengths" in capsys.readouterr().err
+    assert cli_main([*argv, "--shape", "beam", "--chain-samples", "2"]) == 2
+    assert "--chain-samples is for --shape chain, not --shape beam" in capsys.readouterr().err

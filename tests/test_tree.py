@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specboost.decoder.verify import node_proposals
 from specboost.speculator import (
     BeamShape,
     ChainShape,
@@ -306,3 +307,23 @@ def test_shape_validation_and_kinds() -> None:
     assert ChainShape(3).kind(False) is DraftKind.GREEDY
     assert ChainShape(3).kind(True) is DraftKind.SAMPLED
     assert BeamShape().kind(False) is BeamShape().kind(True) is DraftKind.BEAM
+    with pytest.raises(ValueError, match="chain samples must be >= 1"):
+        ChainShape(3, samples=0)
+    assert ChainShape(3, samples=4).kind(True) is DraftKind.SAMPLED
+    assert repr(ChainShape(3)) == "ChainShape(length=3)"  # one chain reads as it always did
+    assert repr(ChainShape(3, samples=4)) == "ChainShape(length=3, samples=4)"
+
+
+def test_proposals_keep_their_draw_through_merges_and_verify_takes_them_in_drawing_order() -> None:
+    """Several draws of one SSM at a node: verification orders them by (SSM, draw), never by the
+    child (token) they landed on, and a merge keeps every draw index."""
+    q = torch.full((SMALL_VOCAB,), 1 / SMALL_VOCAB)
+    mine = TokenTree.root_only(ROOT, DraftKind.SAMPLED)
+    for draw, token in enumerate([2, 1, 2]):  # draws 0 and 2 share a child, created before draw 1's
+        mine.add_child(0, token, 1, q, draw=draw)
+    other = TokenTree.root_only(ROOT, DraftKind.SAMPLED)
+    other.add_child(0, 1, 0, q)
+    merged = merge_trees([mine, other])
+    order = [(prop.ssm, prop.draw, merged.tokens[child]) for child, prop in node_proposals(merged, 0)]
+    assert order == [(0, 0, 1), (1, 0, 2), (1, 1, 1), (1, 2, 2)]
+    assert sorted(p.draw for p in merged.proposals[merged.child_with_token(0, 2)]) == [0, 2]

@@ -209,6 +209,23 @@ BAD_COMBINATIONS = [
         r"rule='without_replacement' is only lossless on trees drafted as \['sampled_without_replacement'\]",
         id="without-replacement-with-chain",
     ),
+    *(
+        pytest.param(
+            dict(shape=shape, rule="k_sequential"),
+            1,
+            dict(do_sample=True),
+            rf"rule='k_sequential' is only lossless on trees drafted as \['sampled'\], .*'{kind}'.*'target'",
+            id=f"k-sequential-with-{kind}",
+        )
+        for kind, shape in [("beam", BeamShape(2, 2)), ("sampled_without_replacement", TOPOLOGY)]
+    ),
+    pytest.param(
+        dict(shape=ChainShape(3, samples=2), rule="k_sequential"),
+        1,
+        dict(do_sample=False),
+        r"rule='k_sequential' is a sampling rule; set do_sample=True",
+        id="k-sequential-greedy",
+    ),
     pytest.param(
         dict(rule="greedy"),
         1,
@@ -293,6 +310,10 @@ def test_valid_sampling_combinations_run() -> None:
         (dict(shape=BeamShape(2, 2), rule="target"), 1),
         (dict(shape=BeamShape(2, 2)), 2),  # rule=None maps a beam tree to target sampling
         (dict(shape=ChainShape(3), rule="mss"), 2),
+        (dict(shape=ChainShape(3), rule="k_sequential"), 2),
+        (dict(shape=ChainShape(2, samples=3), rule="k_sequential"), 1),
+        (dict(shape=ChainShape(2, samples=3), rule="mss"), 1),
+        (dict(shape=ChainShape(2, samples=2)), 2),  # rule=None maps sampled chains to mss
         (dict(shape=TOPOLOGY, rule="without_replacement"), 1),
         (dict(shape=TOPOLOGY, rule="target"), 2),  # what the refusal of a topology pool suggests
         (dict(shape=TOPOLOGY), 1),
