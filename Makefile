@@ -88,8 +88,9 @@ bench-decoder: $(STAMP)
 
 # Benchmark suite: training/bench_fixture.py builds (or reuses) the fixture in
 # ARTIFACTS/bench-fixture/<fixture> (reference LLM, distilled data, boosted pool, predictor, hardware
-# profile, Sequoia acceptance, export), then `specboost bench --suite` runs every method on the
-# bundled held-out workloads; report.md, suite.json and plots go to ARTIFACTS/bench-suite/<fixture>.
+# profile, Sequoia acceptance, export; then a pool boosted for sampling, which serves the sampled
+# rows), then `specboost bench --suite` runs every method on the bundled held-out workloads;
+# report.md, suite.json and plots go to ARTIFACTS/bench-suite/<fixture>.
 # SUITE=quick: the tiny fixture (minutes); FIXTURE=tiny|small overrides the suite's fixture;
 # SUITE_FLAGS="--readme README.md" also fills the README's results ("--build-threads N": training threads).
 SUITE ?= default

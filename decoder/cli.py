@@ -327,6 +327,12 @@ def _add_suite_options(bench: argparse.ArgumentParser) -> None:
         "the fixture; the learned scheduler and Sequoia run when the pool ships their files",
     )
     suite.add_argument(
+        "--sampled-pool",
+        metavar="FOLDER|ID",
+        help="with --llm and --pool: an exported pool trained for sampling (boost --boost-mode sampled); the "
+        "sampled rows run on it, the greedy rows on --pool (the fixture has its own)",
+    )
+    suite.add_argument(
         "--spec-bench", type=Path, metavar="FILE", help="a Spec-Bench question file (JSONL) as the workloads"
     )
     suite.add_argument(

@@ -14,8 +14,8 @@ from test_export_pool import make_boost
 from transformers import AutoModelForCausalLM
 
 from specboost.decoder.bench.methods import Models, generate_method
-from specboost.decoder.bench.records import GREEDY
-from specboost.decoder.bench.suite import SuiteConfig
+from specboost.decoder.bench.records import GREEDY, Decoding
+from specboost.decoder.bench.suite import SuiteConfig, measured_tv
 from specboost.decoder.bench.workloads import Prompt, encode_batches
 from specboost.decoder.cli import main
 from specboost.decoder.profiler import ProfileConfig, profile
@@ -73,18 +73,16 @@ def test_the_suite_runs_every_method_on_given_models(
     assert config["max_new_tokens"] == MAX_NEW and config["shapes"]["chain_length"] == 3  # overrides
     assert config["categories"] == ["qa", "math"]  # the file's settings
     titles = [t["decoding"] + f", batch {t['batch_size']}" for t in record["tables"]]
-    assert titles == [
-        "greedy, batch 1",
-        "sample(T=0.8, top_p=1), batch 1",
-        "greedy, batch 2",
-        "sample(T=0.8, top_p=1), batch 2",
-    ]
+    sampled = ["sample(T=0.8, top_p=1)", "sample(T=1, top_p=1)"]
+    assert titles == [f"{d}, batch {b}" for b in (1, 2) for d in ("greedy", *sampled)]
     greedy_1 = {row["method"]: row for row in record["tables"][0]["rows"]}
     assert set(greedy_1) == {
         "plain", "plain_static", "hf_assisted[0]", "hf_assisted[1]", "chain[0]", "chain[1]", "stairs[0]",
         "pool_chain", "pool_beam", "majority", "majority+adaptive", "pruned", "sequoia", "learned",
     }  # fmt: skip
-    assert {row["method"] for row in record["tables"][2]["rows"]} == {
+    sampled_1 = {row["method"] for row in record["tables"][1]["rows"]}
+    assert sampled_1 == set(greedy_1) - {"stairs[0]"} | {"pool_chain+kseq", "chain[0]x3", "chain[0]x3+kseq"}
+    assert {row["method"] for row in record["tables"][3]["rows"]} == {
         "plain",
         "plain_static",
         "batched",
@@ -100,16 +98,106 @@ def test_the_suite_runs_every_method_on_given_models(
     assert greedy_1["plain"]["tokens_per_step"] == 1.0
     runs = [r for cell in record["runs"] for r in cell["records"]]
     assert runs and all(0 < r["new_tokens"] <= MAX_NEW * 2 for r in runs)  # batch 2: two rows
-    assert record["skipped"]["sample(T=0.8, top_p=1), batch 1"] == {
-        "stairs[0]": "ValueError: verification='stairs' is a greedy baseline; use do_sample=False"
-    }
+    for decoding in sampled:
+        assert record["skipped"][f"{decoding}, batch 1"] == {
+            "stairs[0]": "ValueError: verification='stairs' is a greedy baseline; use do_sample=False"
+        }
+        for size in (1, 2):  # one pool: each SSM's TV to the LLM in every sampled cell group
+            tv = record["ssm_tv"][f"{decoding}, batch {size}"]
+            assert tv["positions"] > 0 and len(tv["tv"]["pool"]) == 2
+    assert record["models"]["notes"] == []  # a greedy CE pool has no target temperature
     report = (out / "report.md").read_text()
+    assert report.count("Measured TV(p, q_j)") == 4 and "sampled rows on" not in report
     assert (
         report.index("**Machine:**") < report.index("Models given: LLM") < report.index("## greedy, batch 1")
     )
     for plot in ("speedup.png", "tokens_per_step_vs_tree_size.png", "acceptance_by_position.png"):
         assert (out / plot).stat().st_size > 0
     assert (out / "ssm_weights.png").is_file()  # majority ran: its weights over time
+
+
+@pytest.fixture(scope="module")
+def sampling_pool(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pool exported from a sampled boost run at T = 0.8: three SSMs, the greedy pool's SSM 1,
+    SSM 0 and SSM 1 again (no predictor, no profile)."""
+    llm, pool = models
+    root = tmp_path_factory.mktemp("sampling")
+    boost = make_boost(root, (llm, [pool / "ssm-1", pool / "ssm-0", pool / "ssm-1"]))
+    record = json.loads((boost / export.RECORD_FILE).read_text())
+    third = record["rounds"][1] | {"ssm": 2, "path": "ssm-2"}
+    sampled = {"boost_mode": "sampled", "loss": "kl", "target_temperature": 0.8}
+    (boost / export.RECORD_FILE).write_text(
+        json.dumps(record | sampled | {"rounds": [*record["rounds"], third]})
+    )
+    export.export_pool(boost, root / "pool")
+    return root / "pool"
+
+
+def test_sampled_rows_run_on_the_sampling_pool(
+    models: tuple[Path, Path], sampling_pool: Path, tmp_path: Path
+) -> None:
+    """--sampled-pool: greedy rows on the pool, sampled rows on the sampling pool (its third SSM
+    drafts only there), with the k-sequential rows, each SSM's measured TV to the LLM and a
+    warning for a temperature the sampling pool was not trained at."""
+    llm, pool = models
+    settings = {
+        "categories": ["qa"],
+        "prompts_per_category": 1,
+        "batch_sizes": [1],
+        "decodings": [{}, {"do_sample": True, "temperature": 1.0}],
+        "methods": ["chain", "pool_chain", "pool_chain+kseq", "chainx3", "chainx3+kseq", "learned"],
+        "repeats": 1,
+        "warmup": 0,
+        "compiled": False,
+    }
+    suite_file = tmp_path / "suite.json"
+    suite_file.write_text(json.dumps(settings))
+    argv = ["bench", "--suite", str(suite_file), "--llm", str(llm), "--pool", str(pool)]
+    argv += ["--sampled-pool", str(sampling_pool), "--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path)]
+    assert main(argv) == 0
+
+    record = json.loads((tmp_path / "suite.json").read_text())
+    assert record["config"]["sampled_pool"] == str(sampling_pool)
+    assert record["models"]["sampled"]["pool"] == str(sampling_pool)
+    greedy, sampled = ({row["method"]: row for row in table["rows"]} for table in record["tables"])
+    assert set(greedy) == {"plain", "chain[0]", "chain[1]", "pool_chain", "learned"}
+    assert set(sampled) == {
+        *("plain", "chain[0]", "chain[1]", "chain[2]", "pool_chain", "pool_chain+kseq"),
+        *("chain[0]x3", "chain[0]x3+kseq"),
+    }
+    assert set(greedy["pool_chain"]["acceptance_rate_per_ssm"]) == {"0", "1"}
+    assert set(sampled["pool_chain+kseq"]["acceptance_rate_per_ssm"]) == {"0", "1", "2"}
+    for name in ("chain[0]x3", "chain[0]x3+kseq", "pool_chain+kseq"):
+        assert 0 < sampled[name]["draft_tokens_per_step"] <= 3 * 4  # three chains of 4
+        assert sampled[name]["accepted_at_least"] is not None  # acceptance by position
+    assert "no match-length predictor" in record["skipped"]["sample(T=1, top_p=1), batch 1"]["learned"]
+
+    measured = record["ssm_tv"]["sample(T=1, top_p=1), batch 1"]
+    tv = measured["tv"]
+    assert measured["positions"] > 0 and list(tv) == ["sampling pool", "greedy pool"]
+    assert all(0 < t < 1 for t in (*tv["sampling pool"], *tv["greedy pool"]))
+    # The sampling pool's SSMs are the greedy pool's 1, 0, 1: the same TVs, measured once per pool.
+    assert tv["sampling pool"] == pytest.approx([tv["greedy pool"][i] for i in (1, 0, 1)])
+    note = "sample(T=1, top_p=1) rows ran on a pool trained at target_temperature 0.8, not at T=1"
+    assert record["models"]["notes"] == [note]
+    report = (tmp_path / "report.md").read_text()
+    assert (
+        f"sampled rows on the pool `{sampling_pool}` (3 SSMs" in report and f"**Warning:** {note}." in report
+    )
+    assert report.count("Measured TV(p, q_j)") == 1 and "sampling pool: SSM 0" in report
+
+
+def test_the_llm_is_at_no_distance_from_itself(models: tuple[Path, Path]) -> None:
+    llm, pool = models
+    loaded = Models.load(str(llm), str(pool))
+    batch = encode_batches([Prompt("Once upon a time", "test", 0)], loaded.tokenizer, 1, 16)[0]
+    decoding = Decoding(do_sample=True, temperature=0.7)
+    torch.manual_seed(0)
+    new = loaded.llm.generate(**batch, max_new_tokens=8, **decoding.options())
+    rows = loaded.rows(new[:, batch.input_ids.shape[1] :])
+    measured = measured_tv(loaded.llm, {"llm": [loaded.llm], "ssms": loaded.ssms}, decoding, [(batch, rows)])
+    assert measured["positions"] == len(rows[0]) and measured["tv"]["llm"] == [pytest.approx(0, abs=1e-6)]
+    assert all(0 < t < 1 for t in measured["tv"]["ssms"])
 
 
 @pytest.mark.parametrize(
@@ -136,6 +224,8 @@ def test_a_suite_names_its_models_both_or_neither() -> None:
     assert SuiteConfig().name == "small" and SuiteConfig(llm="models/my-llm", pool="p").name == "my-llm"
     with pytest.raises(ValueError, match="give both llm and pool"):
         SuiteConfig(llm="models/my-llm")
+    with pytest.raises(ValueError, match="serves the sampled rows beside llm and pool"):
+        SuiteConfig(sampled_pool="p")
 
 
 def test_a_dry_run_with_given_models_builds_no_fixture(

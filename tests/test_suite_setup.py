@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,11 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
         "profile",
         "sequoia-acceptance",
         "export",
+        # the pool for sampling, last: a fixture built before it keeps its greedy steps cached
+        "distill-sampled-tinystories_train_openings",
+        "boost-sampled",
+        "profile-sampled",
+        "export-sampled",
     ]
     reference = steps[0]
     assert reference.argv[:2] == ("-m", "specboost.training.reference_llm")
@@ -39,8 +46,21 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     rebuilt = fixture_steps("small", tmp_path, threads=2, build_threads=3)
     for before, after in zip(steps, rebuilt, strict=True):
         assert before.argv == after.argv  # training threads change speed only: same identity
-        if before.name in ("reference-llm", "boost", "predictor-data", "sequoia-acceptance"):
+        if before.name in ("reference-llm", "boost", "predictor-data", "sequoia-acceptance", "boost-sampled"):
             assert "--threads" not in after.argv and after.speed_args == ("--threads", "3")
+
+
+def test_the_sampling_pool_gets_the_greedy_pools_hardware_profile(tmp_path: Path) -> None:
+    """Same SSM architecture, same costs: its profile is the greedy pool's, copied beside its SSMs
+    so that the export ships it."""
+    steps = {s.name: s for s in fixture_steps("tiny", tmp_path, threads=1)}
+    cache = tmp_path / "bench-fixture" / "tiny"
+    (cache / "pool").mkdir(parents=True)
+    (cache / "pool" / "hardware_profile.json").write_text('{"cpu": 1}')
+    (cache / "pool-sampled").mkdir()
+    subprocess.run([sys.executable, *steps["profile-sampled"].argv], check=True)
+    assert steps["profile-sampled"].output.read_text() == '{"cpu": 1}'
+    assert steps["profile-sampled"].output == cache / "pool-sampled" / "hardware_profile.json"
 
 
 def fake_steps(tmp_path: Path) -> list[Step]:
@@ -148,6 +168,9 @@ def test_the_suite_finds_its_fixture_by_the_build_record(
     build_fixture("tiny", tmp_path, log=lambda _: None)
     record = read_fixture(tmp_path, "tiny")
     assert record["paths"]["export"] == str(tmp_path / "bench-fixture" / "tiny" / "pool-export")
+    assert record["paths"]["sampled_export"] == str(
+        tmp_path / "bench-fixture" / "tiny" / "pool-sampled-export"
+    )
     assert [step["name"] for step in record["steps"]] == ["a", "b"] and not record["steps"][0]["cached"]
     assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
     assert "the suite would run on the fixture tiny" in capsys.readouterr().out
@@ -222,11 +245,31 @@ RECORDED_ARGV = {
         ),
     ],
     "export": ["specboost.training.export", "--boost", f"{SMALL}/pool", "--out", f"{SMALL}/pool-export"],
+    # The pool for sampling (appended: the steps above keep their commands and their cache).
+    "distill-sampled-tinystories_train_openings": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts", "tinystories_train_openings"),
+        *("--out", f"{SMALL}/distill-sampled/tinystories_train_openings", "--max-new-tokens", "64"),
+        *("--batch-size", "16", "--do-sample", "--temperature", "0.8", "--num-samples", "4"),
+        *("--top-k-probs", "64"),
+    ],
+    "boost-sampled": [
+        *("specboost.training.boost", "--distilled", f"{SMALL}/distill-sampled/tinystories_train_openings"),
+        *("--llm", LLM, "--out", f"{SMALL}/pool-sampled", "--num-ssms", "3", "--max-steps", "400"),
+        *("--loss", "kl", "--boost-mode", "sampled"),
+    ],
+    "profile-sampled": [
+        bench_fixture.COPY_FILE,
+        *(f"{SMALL}/pool/hardware_profile.json", f"{SMALL}/pool-sampled/hardware_profile.json"),
+    ],
+    "export-sampled": [
+        *("specboost.training.export", "--boost", f"{SMALL}/pool-sampled"),
+        *("--out", f"{SMALL}/pool-sampled-export"),
+    ],
 }
 
 
 def test_every_fixture_step_keeps_the_command_its_cache_was_built_with() -> None:
     steps = fixture_steps("small", Path("artifacts"), threads=1, build_threads=2)
     assert {s.name: list(s.argv) for s in steps} == {
-        name: ["-m", *argv] for name, argv in RECORDED_ARGV.items()
+        name: ["-c" if name == "profile-sampled" else "-m", *argv] for name, argv in RECORDED_ARGV.items()
     }

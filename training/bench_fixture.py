@@ -8,8 +8,13 @@ Steps, in order (the same commands as the Makefile's training targets):
 reference LLM (`make reference-llm`, into ARTIFACTS/reference-llm/<preset>, shared with it) ->
 distillation data on the pool's prompt set -> boosted pool -> distillation data on a second
 prompt set -> predictor labels -> predictor -> hardware profile (`specboost profile`) -> Sequoia
-acceptance vectors (on the boost run's held-out samples) -> export. Everything but the reference
-LLM goes into the cache folder ARTIFACTS/bench-fixture/<fixture>.
+acceptance vectors (on the boost run's held-out samples) -> export; then the pool for sampling:
+sampled distillation data on the pool's prompt set (the LLM's top-K distributions at the
+sampling temperature) -> a pool boosted for sampling on them -> the greedy pool's hardware
+profile copied beside it (same SSM architecture) -> its export (no predictor, no Sequoia
+vectors). The sampling pool's steps come last, so a fixture built before them keeps its greedy
+steps cached. Everything but the reference LLM goes into the cache folder
+ARTIFACTS/bench-fixture/<fixture>.
 
 A step that finishes writes `done/<step>.json` (atomically) with its command and duration; a
 later build skips a step whose marker holds the same command and whose output exists, so a
@@ -36,8 +41,12 @@ from pathlib import Path
 from specboost.decoder import cli
 from specboost.decoder.bench.configurations import resolve_suite
 from specboost.decoder.bench.suite import FIXTURE_RECORD, SuiteConfig
+from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
 from specboost.training.run_files import write_json_atomic
+
+# `python -c COPY_FILE SOURCE TARGET`: the sampling pool's hardware profile is the greedy pool's.
+COPY_FILE = "import shutil, sys; shutil.copy2(sys.argv[1], sys.argv[2])"
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,11 @@ class FixtureSpec:
     distill_flags: tuple[str, ...] = ("--max-new-tokens", "64", "--batch-size", "16")
     num_ssms: int = 3
     boost_flags: tuple[str, ...] = ("--max-steps", "400")
+    # The pool for sampling: distill_flags plus these (the same prompts), boost_flags plus these.
+    sampled_distill_flags: tuple[str, ...] = (
+        *("--do-sample", "--temperature", "0.8", "--num-samples", "4", "--top-k-probs", "64"),
+    )
+    sampled_boost_flags: tuple[str, ...] = ("--loss", "kl", "--boost-mode", "sampled")
 
 
 FIXTURES: dict[str, FixtureSpec] = {
@@ -67,12 +81,17 @@ class FixturePaths:
     cache: Path  # ARTIFACTS/bench-fixture/<fixture>
     pool: Path  # the boost run (SSMs, predictor, hardware profile)
     export: Path  # the exported pool (SSMPool.from_pretrained)
+    sampled_pool: Path  # the boost run for sampling (its SSMs, the greedy pool's hardware profile)
+    sampled_export: Path  # its export: the suite's sampled rows run on it
 
     @classmethod
     def of(cls, name: str, artifacts: Path) -> FixturePaths:
         cache = artifacts / "bench-fixture" / name
         llm = artifacts / "reference-llm" / fixture_spec(name).preset / "model"
-        return cls(llm=llm, cache=cache, pool=cache / "pool", export=cache / "pool-export")
+        return cls(
+            *(llm, cache, cache / "pool", cache / "pool-export"),
+            *(cache / "pool-sampled", cache / "pool-sampled-export"),
+        )
 
 
 @dataclass(frozen=True)
@@ -115,19 +134,22 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
     speed = ("--threads", str(build_threads or os.cpu_count() or 1))
     ssms = [str(pool / f"ssm-{i}") for i in range(boosted_ssms(pool, spec.num_ssms))]
     distilled = {p: paths.cache / "distill" / p for p in (spec.pool_prompts, spec.predictor_prompts)}
+    sampled, sampled_distilled = paths.sampled_pool, paths.cache / "distill-sampled" / spec.pool_prompts
     labels = paths.cache / "predictor-data"
 
-    def distill(prompts: str) -> Step:
-        out = distilled[prompts]
+    def distill(prompts: str, folder: str = "distill", flags: tuple[str, ...] = ()) -> Step:
+        out = paths.cache / folder / prompts
         argv = _module("training.distill", "--llm", llm, "--prompts", prompts, "--out", str(out))
-        return Step(f"distill-{prompts}", (*argv, *spec.distill_flags), out / "data.parquet")
+        return Step(f"{folder}-{prompts}", (*argv, *spec.distill_flags, *flags), out / "data.parquet")
+
+    def boost(distilled_data: Path, out: Path, flags: tuple[str, ...] = ()) -> tuple[str, ...]:
+        return _module(
+            "training.boost",
+            *("--distilled", str(distilled_data), "--llm", llm, "--out", str(out)),
+            *("--num-ssms", str(spec.num_ssms), *spec.boost_flags, *flags),
+        )
 
     reference_llm = _module("training.reference_llm", "--preset", spec.preset, "--out", str(paths.llm.parent))
-    boost = _module(
-        "training.boost",
-        *("--distilled", str(distilled[spec.pool_prompts]), "--llm", llm, "--out", str(pool)),
-        *("--num-ssms", str(spec.num_ssms), *spec.boost_flags),
-    )
     predictor_data = _module(
         "training.predictor_data",
         *("--llm", llm, "--ssm", *ssms, "--distilled", str(distilled[spec.predictor_prompts])),
@@ -143,16 +165,27 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         *("--held-out-from", str(pool / "boost_record.json"), "--out", str(pool / ACCEPTANCE_FILE)),
     )
     export = _module("training.export", "--boost", str(pool), "--out", str(paths.export))
+    profile_copy = (COPY_FILE, str(pool / PROFILE_FILE), str(sampled / PROFILE_FILE))
+    sampled_export = _module("training.export", "--boost", str(sampled), "--out", str(paths.sampled_export))
     return [
         Step("reference-llm", reference_llm, paths.llm / "config.json", speed),
         distill(spec.pool_prompts),
-        Step("boost", boost, pool / "boost_record.json", speed),
+        Step("boost", boost(distilled[spec.pool_prompts], pool), pool / "boost_record.json", speed),
         distill(spec.predictor_prompts),
         Step("predictor-data", predictor_data, labels / "metadata.json", speed),
         Step("predictor", predictor, pool / "predictor" / "predictor_record.json"),
         Step("profile", (*profile, "--threads", t), pool / "hardware_profile.json"),
         Step("sequoia-acceptance", sequoia, pool / ACCEPTANCE_FILE, speed),
         Step("export", export, paths.export / "specboost_pool.json"),
+        distill(spec.pool_prompts, "distill-sampled", spec.sampled_distill_flags),
+        Step(
+            "boost-sampled",
+            boost(sampled_distilled, sampled, spec.sampled_boost_flags),
+            sampled / "boost_record.json",
+            speed,
+        ),
+        Step("profile-sampled", ("-c", *profile_copy), sampled / PROFILE_FILE),
+        Step("export-sampled", sampled_export, paths.sampled_export / "specboost_pool.json"),
     ]
 
 
@@ -274,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(config, SuiteConfig) and args.llm is None:
         name, threads = args.fixture or config.fixture, args.threads or config.threads
         build = build_fixture(name, args.artifacts, threads, args.dry_run, build_threads=args.build_threads)
-        print(f"[fixture {name}] {build.seconds:.0f} s; pool at {build.paths.export}")
+        paths = build.paths
+        print(f"[fixture {name}] {build.seconds:.0f} s; pools at {paths.export}, {paths.sampled_export}")
     if args.suite is None or args.dry_run:
         return 0
     # The suite's own options: all but --build-threads (and its value).

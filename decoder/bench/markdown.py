@@ -158,6 +158,19 @@ def level_cost_line(table: Table) -> str | None:
     return "Drafting per tree level vs the fastest single-SSM chain: " + "; ".join(parts) + "."
 
 
+def tv_line(measured: dict[str, Any]) -> str:
+    """Each SSM's measured TV to the LLM in a sampled cell group (`suite.measured_tv`)."""
+    pools = "; ".join(
+        f"{name}: " + ", ".join(f"SSM {j} {tv:.3f}" for j, tv in enumerate(values))
+        for name, values in measured["tv"].items()
+    )
+    return (
+        "Measured TV(p, q_j) of each SSM to the LLM at this decoding (p and q processed as `generate` "
+        f"samples: temperature, top-k, top-p), mean over the {measured['positions']} positions of plain "
+        f"decoding's outputs here, teacher-forced (1 - TV: one sampled draft token's acceptance): {pools}."
+    )
+
+
 def fixture_line(build: dict[str, Any] | None) -> str:
     if build is None:
         return "no fixture: the models were given"
@@ -173,7 +186,14 @@ def markdown_report(report: Report, level: int = 1) -> str:
     """The report: machine first, then one table per decoding and batch size, then what was skipped."""
     c, h, params, models = report.config, "#" * level, report.models["parameters"], report.models
     all_tables = report.tables()
-    ssms = ", ".join(f"{p / 1e6:.2f}M" for p in params["ssms"])
+
+    def pool(info: dict[str, Any]) -> str:
+        ssms = ", ".join(f"{p / 1e6:.2f}M" for p in info["parameters"]["ssms"])
+        return f"pool `{info['pool']}` ({len(info['parameters']['ssms'])} SSMs: {ssms})"
+
+    pools = pool(models)
+    if "sampled" in models:
+        pools = f"greedy rows on the {pools}, sampled rows on the {pool(models['sampled'])}"
     if c.prompts is not None:
         workloads = f"Workload: `{c.prompts}`, {c.prompts_per_category or 'all'} prompts"
     else:
@@ -186,10 +206,10 @@ def markdown_report(report: Report, level: int = 1) -> str:
         f"**Machine:** {machine_line(report.machine)}.",
         "",
         f"{'Models given' if report.fixture is None else f'Fixture `{c.fixture}`'}: "
-        f"LLM `{models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), "
-        f"pool `{models['pool']}` ({len(params['ssms'])} SSMs: {ssms}). {workloads}, "
+        f"LLM `{models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), {pools}. {workloads}, "
         f"{c.max_new_tokens} new tokens; {c.repeats} repeats after {c.warmup} warm-up, methods interleaved. "
         f"Suite wall time {report.seconds / 60:.1f} min; {fixture_line(report.fixture)}.",
+        *(f"\n**Warning:** {note}." for note in models.get("notes", [])),
         "",
         "tokens/step = new tokens / LLM passes (the LLM's own token included: plain = 1.00); drafted/step = "
         "tree size; acceptance = accepted / drafted tokens; draft/verify/other = shares of the decoder's "
@@ -206,6 +226,8 @@ def markdown_report(report: Report, level: int = 1) -> str:
         levels = level_cost_line(table) if table.batch_size == 1 else None
         if levels:
             lines += ["", levels]
+        if table.title in report.results.get("ssm_tv", {}):
+            lines += ["", tv_line(report.results["ssm_tv"][table.title])]
     if notes := not_run(report.skipped):
         lines += ["", f"{h}# Not run", "", *notes]
     return "\n".join(lines) + "\n"

@@ -78,9 +78,13 @@ class Models:
             loaded = load_models(llm, list(ssms), tokenizer, dtype, device or "cpu")
             return cls(loaded.llm, loaded.tokenizer, loaded.ssms, None, loaded.ssm_tokenizers)
         model, tok = load_causal_lm(llm, DTYPES[dtype], device), load_tokenizer(tokenizer or llm)
+        return cls(model, tok, []).with_pool(pool, dtype, device)
+
+    def with_pool(self, pool: str, dtype: str = "float32", device: str | None = None) -> Models:
+        """The same LLM (loaded once) with the exported `pool` (folder or hub id)."""
         exported = SSMPool.from_pretrained(pool, device=device, dtype=DTYPES[dtype])
-        exported.check_llm(model, tok)
-        return cls(model, tok, exported.models, exported)
+        exported.check_llm(self.llm, self.tokenizer)
+        return Models(self.llm, self.tokenizer, exported.models, exported)
 
     def decoder(self, indices: list[int], **kwargs: Any) -> SpeculativeDecoder:
         """A decoder (eager unless `compile=`) over the SSMs `indices`: the pool, with its files,
@@ -227,6 +231,17 @@ def queued(method: Method, size: int) -> Method:
         decoded = None if parts[0].decoded is None else [s for p in parts for s in p.decoded]
         rows, latencies = [r for p in parts for r in p.rows], [t for p in parts for t in p.latencies]
         return MethodResult(rows, sum(p.llm_steps for p in parts), latencies, decoded, parts[0].ssms)
+
+    return replace(method, run=run)
+
+
+def keeping_rows(method: Method, kept: dict[int, tuple[BatchEncoding, list[list[int]]]]) -> Method:
+    """`method`, keeping each item's latest rows in `kept` (by the item's id: item, rows)."""
+
+    def run(batch: BatchEncoding) -> MethodResult:
+        result = method.run(batch)
+        kept[id(batch)] = (batch, result.rows)
+        return result
 
     return replace(method, run=run)
 

@@ -80,17 +80,21 @@ def plot_tokens_per_step(tables: Sequence[Table], path: Path) -> None:
     _save(fig, path)
 
 
-def plot_acceptance_by_position(table: Table, path: Path) -> None:
-    """Per method: share of verification steps that accept at least k drafted tokens, over k (steps
-    that draft nothing, as the learned scheduler may choose, count as accepting none)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for r in table.rows:
-        if r.accepted_at_least:
-            ax.plot(range(1, len(r.accepted_at_least) + 1), r.accepted_at_least, marker=".", label=r.method)
-    ax.set(xlabel="draft position k", ylabel="share of steps accepting >= k tokens", ylim=(0, 1.02))
-    ax.set_title(f"Acceptance by position ({table.title})")
-    ax.legend(fontsize="x-small", ncol=2)
+def plot_acceptance_by_position(tables: Sequence[Table], path: Path) -> None:
+    """One panel per table (decoding): per method, the share of verification steps that accept at
+    least k drafted tokens, over k (steps that draft nothing, as the learned scheduler may choose,
+    count as accepting none)."""
+    fig, axes = plt.subplots(1, len(tables), figsize=(7 * len(tables), 4.5), squeeze=False)
+    for ax, table in zip(axes.flat, tables, strict=True):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
+        for r in table.rows:
+            if r.accepted_at_least:
+                ax.plot(
+                    range(1, len(r.accepted_at_least) + 1), r.accepted_at_least, marker=".", label=r.method
+                )
+        ax.set(xlabel="draft position k", ylabel="share of steps accepting >= k tokens", ylim=(0, 1.02))
+        ax.set_title(f"Acceptance by position ({table.title})")
+        ax.legend(fontsize="x-small", ncol=2)
     _save(fig, path)
 
 

@@ -5,14 +5,21 @@ file, the single-file bench. Writes suite.json (bench.json), report.md and the p
     specboost bench --suite default                  # the `small` fixture (make bench builds it)
     specboost bench --suite my_suite.json --spec-bench question.jsonl --out DIR
     specboost bench --suite default --llm MY_LLM --pool MY_POOL_EXPORT   # your own models
+    specboost bench --suite default --llm MY_LLM --pool MY_POOL --sampled-pool MY_SAMPLING_POOL
     specboost bench --llm LLM --ssm SSM ... --prompts FILE --out DIR      # the single-file bench
 
 Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
 and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
 SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.STRATEGIES`);
-the learned scheduler. Batch > 1: plain batched `generate` against the pool's chains as one
-ragged batch (BASS, eager and compiled) and the pipelined engine (Minions: two groups of half the
-batch). A method that cannot run here is listed under "Not run" with the reason.
+the learned scheduler; sampled only, k-sequential verification (`pool_chain+kseq`) and three
+sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the drafted tokens of a 3-SSM
+`pool_chain`). Batch > 1: plain batched `generate` against the pool's chains as one ragged batch
+(BASS, eager and compiled) and the pipelined engine (Minions: two groups of half the batch). A
+method that cannot run here is listed under "Not run" with the reason.
+
+Sampled rows run on the pool for sampling when there is one (the fixture's, or `sampled_pool`),
+greedy rows on the pool; per sampled cell group the report gives each SSM's measured total
+variation to the LLM (`ssm_tv`).
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from transformers import BatchEncoding
+from transformers import BatchEncoding, PreTrainedModel
 
 from specboost.decoder.bench.markdown import fill_readme, markdown_report
 from specboost.decoder.bench.methods import (
@@ -37,7 +45,9 @@ from specboost.decoder.bench.methods import (
     decoder_method,
     engine_method,
     generate_method,
+    keeping_rows,
     static_compiled,
+    unpadded,
 )
 from specboost.decoder.bench.plots import (
     plot_acceptance_by_position,
@@ -58,11 +68,14 @@ from specboost.decoder.bench.workloads import (
     load_spec_bench,
 )
 from specboost.decoder.engine import EngineConfig
+from specboost.decoder.generation_options import resolve
 from specboost.decoder.loop import BatchConfig
 from specboost.decoder.strategies import STRATEGIES
+from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
 
 FIXTURE_RECORD = "fixture.json"  # written by the fixture's builder (training/bench_fixture.py)
+CHAIN_SAMPLES = 3  # chain[0]x3: SSM 0's sampled chains, as many tokens as a 3-SSM pool_chain drafts
 # The single-file bench's method families ("plain" always runs).
 BENCH_METHODS = ("plain", "hf_assisted", "chain", "stairs", "pool_chain", "pool_beam", "pool_topology")
 METHOD_FAMILIES = (
@@ -77,9 +90,10 @@ METHOD_FAMILIES = (
         "pool_chain",
         "pool_chain+compiled",
         "majority+compiled",
+        "pool_chain+kseq",
     ),
     *("pool_beam", "pool_topology", *(s for s in STRATEGIES if s != "pool"), "majority+adaptive", "batched"),
-    *("batched+compiled", "engine"),
+    *("batched+compiled", "engine", f"chainx{CHAIN_SAMPLES}", f"chainx{CHAIN_SAMPLES}+kseq"),
 )
 ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
 BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one length per step
@@ -99,13 +113,16 @@ class SuiteConfig(Protocol):
     fixture: str = "small"  # its models unless llm with pool or ssms is given (training/bench_fixture.py)
     llm: str | None = None  # the LLM (folder or hub id) with `pool` or `ssms`, instead of the fixture's
     pool: str | None = None  # an exported pool for `llm` (SSMPool.from_pretrained)
+    sampled_pool: str | None = None  # with llm and pool: an exported pool serving the sampled rows
     ssms: tuple[str, ...] = ()  # or SSM folders (the single-file bench)
     tokenizer: str | None = None  # default: the LLM's
     categories: tuple[str, ...] = tuple(CATEGORIES)  # bundled categories (unless spec_bench or prompts)
     spec_bench: str | None = None  # a Spec-Bench question file: its categories are the workloads
     prompts: str | None = None  # a prompt file (or a bundled set's held-out split): one workload
     prompts_per_category: int | None = 4  # at batch size b, ceil(n / b) batches of b; None: every prompt
-    decodings: tuple[Decoding, ...] = (GREEDY, Decoding(do_sample=True, temperature=0.8))
+    decodings: tuple[Decoding, ...] = (
+        *(GREEDY, Decoding(do_sample=True, temperature=0.8), Decoding(do_sample=True, temperature=1.0)),
+    )
     batch_sizes: tuple[int, ...] = (1, 8)
     shapes: Shapes = field(default_factory=Shapes)
     compiled: bool = True  # also the torch.compile'd rows (plain_compiled, chain[i]+compiled, ...)
@@ -113,8 +130,9 @@ class SuiteConfig(Protocol):
 
     # The `specboost bench` options a suite takes (others are refused with --suite).
     options: ClassVar[tuple[str, ...]] = (
-        *("llm", "pool", "fixture", "spec_bench", "max_new_tokens", "repeats", "warmup", "threads"),
-        *("dtype", "device", "chain_length", "beam_width", "beam_depth", "readme", "dry_run"),
+        *("llm", "pool", "sampled_pool", "fixture", "spec_bench", "max_new_tokens", "repeats"),
+        *("warmup", "threads", "dtype", "device", "chain_length", "beam_width", "beam_depth"),
+        *("readme", "dry_run"),
     )
 
     def __post_init__(self) -> None:
@@ -127,6 +145,10 @@ class SuiteConfig(Protocol):
             raise ValueError(
                 "give both llm and pool (a pool exported for that LLM by `make export`) to benchmark "
                 "your own models, or llm and SSM folders, or neither to benchmark the fixture"
+            )
+        if self.sampled_pool and not self.pool:
+            raise ValueError(
+                "sampled_pool (--sampled-pool) serves the sampled rows beside llm and pool: give all three"
             )
         unknown = sorted(set(self.methods or ()) - set(METHOD_FAMILIES))
         if unknown:
@@ -185,13 +207,15 @@ class SuiteConfig(Protocol):
     # Running ----------------------------------------------------------------------------------------
     def plan(self, artifacts: Path, log: Log) -> Plan:
         """Every cell: batch size x decoding x category, on the fixture's models or the given ones."""
-        fixture, llm, pool = None, self.llm, self.pool
+        fixture, llm, pool, sampled = None, self.llm, self.pool, self.sampled_pool
         if llm is None:
             fixture = read_fixture(artifacts, self.fixture)
-            llm, pool = fixture["paths"]["llm"], fixture["paths"]["export"]
+            paths = fixture["paths"]  # a build from before the sampling pool has no sampled_export
+            llm, pool, sampled = paths["llm"], paths["export"], paths.get("sampled_export")
         models = Models.load(
             llm, pool, self.ssms, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device
         )
+        samplers = models if sampled is None else models.with_pool(sampled, self.dtype, self.device)
         workloads = {w.category: w for w in self.workloads()}
 
         def items(category: str, size: int) -> list[BatchEncoding] | str:
@@ -209,17 +233,44 @@ class SuiteConfig(Protocol):
             low_precision = self.dtype in ("bfloat16", "float16") and not decoding.do_sample
             return models.reference_rows(batches, self.max_new_tokens) if low_precision else None
 
+        both = {"sampling pool": samplers.ssms, "greedy pool": models.ssms}
+        pools = {"pool": models.ssms} if sampled is None else both  # measured_tv: the SSMs of each
+        plain_rows: dict[tuple[Decoding, int], dict] = {}  # sampled plain decoding's outputs, per item
+
         def results(report: Report) -> dict[str, Any]:
-            if self.methods is not None:  # the suite's own rows only: the drafting cost line
-                return {}
-            probe = encode_batches(next(iter(workloads.values())).prompts[:1], models.tokenizer, 1, 16)[0]
-            return {
-                "ssm_token_seconds": ssm_token_seconds(models, probe.input_ids.to(self.device), self.repeats)
+            out = {
+                "ssm_tv": {
+                    f"{decoding.name}, batch {size}": measured_tv(models.llm, pools, decoding, kept.values())
+                    for (decoding, size), kept in plain_rows.items()
+                }
             }
+            if self.methods is None:  # the suite's own rows only: the drafting cost line
+                probe = encode_batches(next(iter(workloads.values())).prompts[:1], models.tokenizer, 1, 16)[0]
+                out["ssm_token_seconds"] = ssm_token_seconds(
+                    models, probe.input_ids.to(self.device), self.repeats
+                )
+            return out
+
+        def method_set(decoding: Decoding, size: int, probe: BatchEncoding) -> MethodSet:
+            """Sampled rows on the sampling pool, keeping plain decoding's outputs (measured_tv)."""
+            made = self.method_set(samplers if decoding.do_sample else models, decoding, size, probe)
+            if decoding.do_sample:
+                made.methods[0] = keeping_rows(made.methods[0], plain_rows.setdefault((decoding, size), {}))
+            return made
 
         settings = [(d, b) for b in self.batch_sizes for d in self.decodings]
         info = models.info(str(llm), str(pool) if pool else list(self.ssms))
-        method_set = functools.partial(self.method_set, models)
+        if sampled is not None:
+            info["sampled"] = samplers.info(str(llm), str(sampled))
+        target = samplers.pool.manifest.get("target_temperature") if samplers.pool else None
+        info["notes"] = [
+            f"{d.name} rows ran on a pool trained at target_temperature {target:g}, not at "
+            f"T={d.temperature:g}"
+            for d in self.decodings
+            if d.do_sample and target is not None and d.temperature != target
+        ]
+        for note in info["notes"]:
+            log(f"[bench] warning: {note}")
         return Plan(
             settings, list(workloads), items, method_set, info, reference, fixture=fixture, results=results
         )
@@ -239,7 +290,8 @@ class SuiteConfig(Protocol):
         all_tables = report.tables()
         plot_speedup(all_tables[0], out / "speedup.png")
         plot_tokens_per_step(all_tables, out / "tokens_per_step_vs_tree_size.png")
-        plot_acceptance_by_position(all_tables[0], out / "acceptance_by_position.png")
+        first_size = [t for t in all_tables if t.batch_size == all_tables[0].batch_size]  # every decoding
+        plot_acceptance_by_position(first_size, out / "acceptance_by_position.png")
         histories = weight_histories(report.runs)
         if histories:
             plot_ssm_weights(histories, out / "ssm_weights.png")
@@ -300,6 +352,15 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
         out["pool_chain+compiled"] = ours(
             "pool_chain+compiled", "pool_chain, compiled", shape=chain, compile=True
         )
+    if decoding.do_sample:  # k-sequential selection verifies sampled drafts (ALGORITHMS.md 15)
+        kseq, samples = {"rule": "k_sequential"}, ChainShape(shapes.chain_length, CHAIN_SAMPLES)
+        if len(everyone) > 1:
+            out["pool_chain+kseq"] = ours(
+                "pool_chain+kseq", 'pool_chain, rule="k_sequential"', shape=chain, **kseq
+            )
+        name = f"chain[0]x{CHAIN_SAMPLES}"  # SSM 0: the first boosting round, trained on every position
+        out[name] = ours(name, f"{samples} drafted by SSM 0, MSS", [0], shape=samples)
+        out[f"{name}+kseq"] = ours(f"{name}+kseq", f'{name}, rule="k_sequential"', [0], shape=samples, **kseq)
     for strategy in (s for s in STRATEGIES if s not in ("pool", "learned")):
         shape = {"majority": chain, "pruned": beam}.get(strategy)  # the others draft their own trees
         kwargs = {"strategy": strategy} | ({"shape": shape} if shape else {})
@@ -338,6 +399,48 @@ def read_fixture(artifacts: Path, name: str) -> dict[str, Any]:
             f"or `python -m specboost.training.bench_fixture --fixture {name}`; or give --llm and --pool"
         )
     return json.loads(path.read_text())
+
+
+def measured_tv(
+    llm: PreTrainedModel,
+    pools: dict[str, list[PreTrainedModel]],
+    decoding: Decoding,
+    outputs: Iterable[tuple[BatchEncoding, list[list[int]]]],
+) -> dict[str, Any]:
+    """Per pool, each SSM's mean over positions of TV(p, q_j) = 1/2 sum_x |p(x) - q_j(x)| (one
+    sampled draft token's rejection chance, ALGORITHMS.md 15), teacher-forced on `outputs` (items
+    and the LLM's new tokens); p and q processed as `generate` processes them for `decoding` (the
+    LLM's own generation defaults included), each position with its own history."""
+    totals = {name: [0.0] * len(ssms) for name, ssms in pools.items()}
+    positions = 0
+    with torch.inference_mode():
+        for batch, rows in outputs:
+            for prompt, row in zip(unpadded(batch), rows, strict=True):
+                ids = torch.cat([prompt, torch.tensor(row, dtype=prompt.dtype, device=prompt.device)])[None]
+                options = decoding.options() | {"max_new_tokens": max(1, len(row))}
+                probs = resolve(llm, None, options, prompt[None]).probs
+                p = _teacher_forced(llm, ids, len(row), probs)
+                for name, ssms in pools.items():
+                    for j, ssm in enumerate(ssms):
+                        totals[name][j] += 0.5 * float(
+                            (p - _teacher_forced(ssm, ids, len(row), probs)).abs().sum()
+                        )
+                positions += len(row)
+    return {
+        "positions": positions,
+        "tv": {name: [t / max(1, positions) for t in v] for name, v in totals.items()},
+    }
+
+
+def _teacher_forced(model: PreTrainedModel, ids: torch.Tensor, n: int, probs: LogitsToProbs) -> torch.Tensor:
+    """[n, V]: `model`'s processed distributions of the last n tokens of `ids` [1, L] (none: empty)."""
+    if n == 0:
+        return torch.zeros(0, device=ids.device)
+    logits = model(ids[:, :-1]).logits[0, -n:]
+    if not probs.needs_history:
+        return probs(logits)
+    start = ids.shape[1] - n  # the history of the token at `start + t` is ids[:, : start + t]
+    return torch.cat([probs(logits[t : t + 1], ids[:, : start + t]) for t in range(n)])
 
 
 def ssm_token_seconds(models: Models, prompt: torch.Tensor, repeats: int) -> dict[str, list[float]]:
