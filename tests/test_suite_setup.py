@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -50,17 +48,17 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
             assert "--threads" not in after.argv and after.speed_args == ("--threads", "3")
 
 
-def test_the_sampling_pool_gets_the_greedy_pools_hardware_profile(tmp_path: Path) -> None:
-    """Same SSM architecture, same costs: its profile is the greedy pool's, copied beside its SSMs
-    so that the export ships it."""
+def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
+    """Its hardware profile is measured on its own SSMs (as the greedy pool's), beside them, so
+    that the export ships it."""
     steps = {s.name: s for s in fixture_steps("tiny", tmp_path, threads=1)}
-    cache = tmp_path / "bench-fixture" / "tiny"
-    (cache / "pool").mkdir(parents=True)
-    (cache / "pool" / "hardware_profile.json").write_text('{"cpu": 1}')
-    (cache / "pool-sampled").mkdir()
-    subprocess.run([sys.executable, *steps["profile-sampled"].argv], check=True)
-    assert steps["profile-sampled"].output.read_text() == '{"cpu": 1}'
-    assert steps["profile-sampled"].output == cache / "pool-sampled" / "hardware_profile.json"
+    sampled = tmp_path / "bench-fixture" / "tiny" / "pool-sampled"
+    argv = steps["profile-sampled"].argv
+    assert argv[:4] == ("-m", "specboost.decoder.cli", "profile", "--llm")
+    assert [a for a in argv if a.startswith(str(sampled / "ssm-"))] == [
+        str(sampled / f"ssm-{i}") for i in range(3)
+    ]
+    assert steps["profile-sampled"].output == sampled / "hardware_profile.json"
 
 
 def fake_steps(tmp_path: Path) -> list[Step]:
@@ -258,8 +256,9 @@ RECORDED_ARGV = {
         *("--loss", "kl", "--boost-mode", "sampled"),
     ],
     "profile-sampled": [
-        bench_fixture.COPY_FILE,
-        *(f"{SMALL}/pool/hardware_profile.json", f"{SMALL}/pool-sampled/hardware_profile.json"),
+        *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm"),
+        *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
+        *("--out", f"{SMALL}/pool-sampled/hardware_profile.json", "--threads", "1"),
     ],
     "export-sampled": [
         *("specboost.training.export", "--boost", f"{SMALL}/pool-sampled"),
@@ -271,5 +270,5 @@ RECORDED_ARGV = {
 def test_every_fixture_step_keeps_the_command_its_cache_was_built_with() -> None:
     steps = fixture_steps("small", Path("artifacts"), threads=1, build_threads=2)
     assert {s.name: list(s.argv) for s in steps} == {
-        name: ["-c" if name == "profile-sampled" else "-m", *argv] for name, argv in RECORDED_ARGV.items()
+        name: ["-m", *argv] for name, argv in RECORDED_ARGV.items()
     }

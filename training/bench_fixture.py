@@ -10,8 +10,8 @@ distillation data on the pool's prompt set -> boosted pool -> distillation data 
 prompt set -> predictor labels -> predictor -> hardware profile (`specboost profile`) -> Sequoia
 acceptance vectors (on the boost run's held-out samples) -> export; then the pool for sampling:
 sampled distillation data on the pool's prompt set (the LLM's top-K distributions at the
-sampling temperature) -> a pool boosted for sampling on them -> the greedy pool's hardware
-profile copied beside it (same SSM architecture) -> its export (no predictor, no Sequoia
+sampling temperature) -> a pool boosted for sampling on them -> its hardware profile
+(`specboost profile`) -> its export (no predictor, no Sequoia
 vectors). The sampling pool's steps come last, so a fixture built before them keeps its greedy
 steps cached. Everything but the reference LLM goes into the cache folder
 ARTIFACTS/bench-fixture/<fixture>.
@@ -44,9 +44,6 @@ from specboost.decoder.bench.suite import FIXTURE_RECORD, SuiteConfig
 from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
 from specboost.training.run_files import write_json_atomic
-
-# `python -c COPY_FILE SOURCE TARGET`: the sampling pool's hardware profile is the greedy pool's.
-COPY_FILE = "import shutil, sys; shutil.copy2(sys.argv[1], sys.argv[2])"
 
 
 @dataclass(frozen=True)
@@ -81,7 +78,7 @@ class FixturePaths:
     cache: Path  # ARTIFACTS/bench-fixture/<fixture>
     pool: Path  # the boost run (SSMs, predictor, hardware profile)
     export: Path  # the exported pool (SSMPool.from_pretrained)
-    sampled_pool: Path  # the boost run for sampling (its SSMs, the greedy pool's hardware profile)
+    sampled_pool: Path  # the boost run for sampling (its SSMs and hardware profile)
     sampled_export: Path  # its export: the suite's sampled rows run on it
 
     @classmethod
@@ -156,16 +153,23 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         *("--out", str(labels)),
     )
     predictor = _module("training.train_predictor", "--labels", str(labels), "--out", str(pool / "predictor"))
-    profile = _module(
-        "decoder.cli", "profile", "--llm", llm, "--ssm", *ssms, "--out", str(pool / "hardware_profile.json")
-    )
+
+    def profile(boosted: Path, models: list[str]) -> tuple[str, ...]:
+        """`specboost profile` of these SSMs beside the LLM, measured at the suite's thread count."""
+        out = str(boosted / PROFILE_FILE)
+        return (
+            *_module("decoder.cli", "profile", "--llm", llm, "--ssm", *models, "--out", out),
+            "--threads",
+            t,
+        )
+
     sequoia = _module(
         "training.sequoia_trees",
         *("--llm", llm, "--ssm", *ssms, "--distilled", str(distilled[spec.pool_prompts])),
         *("--held-out-from", str(pool / "boost_record.json"), "--out", str(pool / ACCEPTANCE_FILE)),
     )
     export = _module("training.export", "--boost", str(pool), "--out", str(paths.export))
-    profile_copy = (COPY_FILE, str(pool / PROFILE_FILE), str(sampled / PROFILE_FILE))
+    sampled_ssms = [str(sampled / f"ssm-{i}") for i in range(boosted_ssms(sampled, spec.num_ssms))]
     sampled_export = _module("training.export", "--boost", str(sampled), "--out", str(paths.sampled_export))
     return [
         Step("reference-llm", reference_llm, paths.llm / "config.json", speed),
@@ -174,7 +178,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         distill(spec.predictor_prompts),
         Step("predictor-data", predictor_data, labels / "metadata.json", speed),
         Step("predictor", predictor, pool / "predictor" / "predictor_record.json"),
-        Step("profile", (*profile, "--threads", t), pool / "hardware_profile.json"),
+        Step("profile", profile(pool, ssms), pool / PROFILE_FILE),
         Step("sequoia-acceptance", sequoia, pool / ACCEPTANCE_FILE, speed),
         Step("export", export, paths.export / "specboost_pool.json"),
         distill(spec.pool_prompts, "distill-sampled", spec.sampled_distill_flags),
@@ -184,7 +188,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             sampled / "boost_record.json",
             speed,
         ),
-        Step("profile-sampled", ("-c", *profile_copy), sampled / PROFILE_FILE),
+        Step("profile-sampled", profile(sampled, sampled_ssms), sampled / PROFILE_FILE),
         Step("export-sampled", sampled_export, paths.sampled_export / "specboost_pool.json"),
     ]
 
