@@ -18,7 +18,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from specboost.decoder.batched import BatchedDecoder, BatchedOutput
 from specboost.decoder.compilation import CompileSetting, ModelCalls, compile_by_default
 from specboost.decoder.loop import decode
-from specboost.decoder.pool import SSMPool
+from specboost.decoder.pool import SSMPool, TemperatureNotice
 from specboost.decoder.sequence import new_sequence
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.strategies import StrategyInputs, StrategyOptions, make_speculator
@@ -142,6 +142,7 @@ class SpeculativeDecoder:
         )
         self.verifier: Verifier = StairsVerifier() if verification == "stairs" else TreeVerifier(rule)
         self.max_positions = context_length(llm)
+        self.temperature_notice = TemperatureNotice(pool.target_temperature if pool else None)
         if compile not in (True, False, "auto"):
             raise ValueError(f'compile must be True, False or "auto", got {compile!r}')
         enabled = compile_by_default(self.llm.device) if compile == "auto" else compile

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,10 @@ from specboost.decoder.validation import model_name, output_vocab_size
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model
 from specboost.speculator.loading import LoadError, load_causal_lm, load_tokenizer
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.sampling import SamplingConfig
 from specboost.speculator.sequoia_acceptance import AcceptanceVector, load_acceptance_file
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "specboost_pool.json"
 FORMAT_VERSION = 1  # bump when the manifest changes incompatibly
@@ -101,6 +105,13 @@ class SSMPool:
     def __len__(self) -> int:
         return len(self.models)
 
+    @property
+    def target_temperature(self) -> float | None:
+        """The temperature the SSMs were fitted to the LLM's distributions at (the manifest's
+        `target_temperature`, ALGORITHMS.md section 15); None for a pool trained on greedy text."""
+        value = self.manifest.get("target_temperature")
+        return None if value is None else float(value)
+
     def __iter__(self) -> Iterator[PreTrainedModel]:
         return iter(self.models)
 
@@ -162,3 +173,24 @@ class SSMPool:
                     f"(vocab hash {expected['tokenizer_vocab_hash']}) but the given tokenizer of "
                     f"{model_name(llm)} has vocab hash {actual_hash}; use the LLM's own tokenizer"
                 )
+
+
+@dataclass
+class TemperatureNotice:
+    """Warns once when sampling runs at another temperature than the pool's SSMs were fitted at:
+    still lossless, but their q then matches a different p, so fewer drafts are accepted."""
+
+    target: float | None  # the pool's target_temperature (None: no notice)
+    given: bool = False
+
+    def check(self, sampling: SamplingConfig) -> None:
+        if self.given or self.target is None or not sampling.do_sample:
+            return
+        if abs(sampling.temperature - self.target) > 1e-6:
+            self.given = True
+            logger.warning(
+                "sampling at temperature %g, but this pool's SSMs were distilled at temperature %g "
+                "(its target_temperature): the output stays lossless, acceptance may be lower",
+                sampling.temperature,
+                self.target,
+            )

@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from specboost.decoder.generation_options import GenerationSettings, resolve
+from specboost.decoder.pool import TemperatureNotice
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.validation import prompt_tokens
@@ -38,6 +39,7 @@ class DecoderParts(Protocol):
     speculator: Speculator
     verifier: RuleChecker
     max_positions: int | None  # the LLM's context
+    temperature_notice: TemperatureNotice  # warns when sampling away from the pool's temperature
 
 
 @dataclass
@@ -96,6 +98,7 @@ def new_sequence(
     prompt = prompt_tokens(input_ids, attention_mask, decoder.max_positions)
     ids = torch.tensor([prompt], dtype=torch.long, device=decoder.llm.device)
     settings = resolve(decoder.llm, generation_config, options, ids)
+    decoder.temperature_notice.check(settings.sampling)
     rule = sequence_rule(decoder, settings.sampling.do_sample)
     stop = StopCriteria(
         settings.max_new_tokens,

@@ -4,16 +4,17 @@ tiny models, exported, loaded back and decoded with; the hub push runs against a
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import noisy_copy, tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specboost.decoder import SpeculativeDecoder, SSMPool, StrategyOptions
+from specboost.decoder import ChainShape, SpeculativeDecoder, SSMPool, StrategyOptions
 from specboost.decoder import pool as pool_module
 from specboost.decoder.pool import MANIFEST_FILE, tokenizer_vocab_hash
 from specboost.decoder.tiny_models import build_tiny_models, build_tokenizer
@@ -315,3 +316,22 @@ def test_push_without_token_says_how_to_log_in(
     assert FakeApi.calls == [] and not out.exists()
     with pytest.raises(RuntimeError, match="HF_TOKEN"):
         export.require_token()
+
+
+def test_sampling_away_from_the_pools_temperature_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A pool fitted to p at T = 0.8 (manifest target_temperature): sampling at 0.8 or greedy says
+    nothing; sampling at 1.0 warns once per decoder, naming both temperatures."""
+    llm = tiny_llama(seed=0)
+    pool = SSMPool([noisy_copy(llm, 0.1, seed=1)], None, {"target_temperature": 0.8}, [1.0])
+    assert pool.target_temperature == 0.8
+    decoder = SpeculativeDecoder(llm, pool, shape=ChainShape(2))
+    ids = torch.tensor([[1, 2, 3]])
+    with caplog.at_level(logging.WARNING, logger="specboost.decoder.pool"):
+        decoder.generate(ids, max_new_tokens=3)
+        decoder.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.8, seed=0)
+        assert not caplog.records
+        for seed in range(2):
+            decoder.generate(ids, max_new_tokens=3, do_sample=True, temperature=1.0, seed=seed)
+    assert len(caplog.records) == 1
+    assert "temperature 1" in caplog.text and "temperature 0.8" in caplog.text
+    assert SSMPool([llm], None, {}, [1.0]).target_temperature is None
