@@ -19,16 +19,17 @@ from transformers import (
 )
 
 from specboost.training import boost as boost_module
-from specboost.training.boost import (
-    BoostConfig,
-    boost,
+from specboost.training import ssm_training
+from specboost.training.boost import boost, main
+from specboost.training.boost_config import BoostConfig
+from specboost.training.boost_data import split_held_out
+from specboost.training.boost_scoring import (
     hits_from_logits,
-    main,
     mark,
     match_lengths,
+    output_hits,
     sample_marked,
     span_marked,
-    split_held_out,
 )
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -177,7 +178,7 @@ def test_round_loop_trains_later_ssms_on_unmarked_samples_only(
 ) -> None:
     trained_on: list[int] = []
     real_train = boost_module.train_round
-    real_hits = boost_module.output_hits
+    real_hits = output_hits
 
     def spy_train(cfg, i, train_set, *args):
         trained_on.append(len(train_set))
@@ -273,18 +274,18 @@ def test_a_partly_finished_round_resumes_from_its_checkpoint(
 ) -> None:
     cfg = config(llm, distilled, num_ssms=1)
     reference = boost(cfg, tmp_path / "reference")
-    real_save, real_last = boost_module.save_ssm, boost_module.last_checkpoint
+    real_save, real_last = ssm_training.save_ssm, ssm_training.last_checkpoint
     resumed_from: list[Path | None] = []
 
     def dying_save(*args):
         raise SimulatedKill("killed before the SSM was saved")
 
-    monkeypatch.setattr(boost_module, "save_ssm", dying_save)
+    monkeypatch.setattr(ssm_training, "save_ssm", dying_save)
     with pytest.raises(SimulatedKill):
         boost(cfg, tmp_path / "pool")
-    monkeypatch.setattr(boost_module, "save_ssm", real_save)
+    monkeypatch.setattr(ssm_training, "save_ssm", real_save)
     monkeypatch.setattr(
-        boost_module, "last_checkpoint", lambda p: resumed_from.append(real_last(p)) or real_last(p)
+        ssm_training, "last_checkpoint", lambda p: resumed_from.append(real_last(p)) or real_last(p)
     )
     record = boost(cfg, tmp_path / "pool")
     assert resumed_from[0] is not None and resumed_from[0].name == "checkpoint-4"

@@ -8,7 +8,8 @@ from pathlib import Path
 from test_boost import VOCAB, WORDS, save_llama, save_tokenizer, write_distilled
 from transformers import AutoTokenizer
 
-from specboost.training.boost import BoostConfig, boost
+from specboost.training.boost import boost
+from specboost.training.boost_config import BoostConfig
 from specboost.training.compare_pool import RESULT_FILE, compare, main
 
 

@@ -28,10 +28,10 @@ from specboost.training.distill import (
     final_number,
     load_distilled,
     main,
-    read_shards,
     repeated_block,
 )
 from specboost.training.launch import accelerate_launch
+from specboost.training.run_shards import read_shards
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = [

@@ -18,23 +18,19 @@ from transformers import TrainingArguments
 
 from specboost.training import boost as boost_module
 from specboost.training import export
-from specboost.training.boost import (
-    ACCEPTANCE_FILE,
-    DistributionTrainer,
+from specboost.training.boost import ACCEPTANCE_FILE, boost, load_acceptance, main, setup
+from specboost.training.boost_data import (
     PadCollator,
     acceptance_weights,
-    boost,
-    build_ssm,
-    load_acceptance,
     load_row_targets,
-    main,
-    output_acceptance,
-    setup,
     split_held_out,
     training_examples,
 )
+from specboost.training.boost_scoring import output_acceptance
 from specboost.training.distill import DistillConfig, distill
 from specboost.training.distribution_loss import bucketed_kl, bucketed_tv, position_losses
+from specboost.training.ssm_setup import build_ssm, load_ssm
+from specboost.training.ssm_training import DistributionTrainer
 from specboost.training.target_distributions import PositionTargets, distribution_columns
 
 torch.set_num_threads(1)  # tiny models; the machine may be busy
@@ -207,9 +203,7 @@ def test_kl_training_raises_held_out_sampled_acceptance(llm: str, distributions:
     before = held_out_acceptance(cfg, build_ssm(cfg, ssm_config, 0))  # the same seeded start
     record = boost(cfg, tmp_path / "pool")
     after = record["rounds"][0]["held_out_sampled_acceptance"]
-    assert after == pytest.approx(
-        held_out_acceptance(cfg, boost_module.load_ssm(tmp_path / "pool" / "ssm-0"))
-    )
+    assert after == pytest.approx(held_out_acceptance(cfg, load_ssm(tmp_path / "pool" / "ssm-0")))
     assert after > before + 0.1, (before, after)
     assert record["loss"] == "kl" and record["boost_mode"] == "greedy" and record["target_temperature"] == T
     assert record["rounds"][0]["pool_sampled_acceptance"] == pytest.approx(after)
@@ -223,7 +217,7 @@ def test_sampled_boost_weights_favour_what_the_pool_serves_worst_and_resume(
     )
     seen: dict[str, list] = {"straight": [], "resumed": []}
     run = ["straight"]
-    real_examples, real_train = boost_module.training_examples, boost_module.train_round
+    real_examples, real_train = training_examples, boost_module.train_round
 
     def spy_examples(rows, masked, max_len, weights=None, targets=None):
         seen[run[0]].append(weights)

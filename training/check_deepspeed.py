@@ -41,9 +41,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specboost.decoder.tiny_models import build_tiny_models
 from specboost.training import boost
+from specboost.training.boost_data import PadCollator, training_examples
 from specboost.training.distill import DistillConfig, distill
 from specboost.training.launch import accelerate_launch
 from specboost.training.run_files import library_versions, write_json_atomic
+from specboost.training.ssm_setup import build_ssm, context_of
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 PROCESSES = 2  # num_processes of the shipped DeepSpeed configs
@@ -106,8 +108,8 @@ def check_zero_shards(pool: Path, stage: int) -> None:
 @torch.no_grad()
 def distilled_loss(model: PreTrainedModel, rows: list[dict[str, Any]], pad_id: int) -> float:
     """Mean next-token loss on the LLM's output tokens of `rows` (the loss boost trains)."""
-    examples = boost.training_examples(rows, {}, boost.context_of(model)).to_list()
-    batch = boost.PadCollator(pad_id)(examples)
+    examples = training_examples(rows, {}, context_of(model)).to_list()
+    batch = PadCollator(pad_id)(examples)
     return float(model.eval()(**batch).loss)
 
 
@@ -117,7 +119,7 @@ def check_ssms(args: list[str], pool: Path) -> list[dict[str, float]]:
     tokenizer, ssm_config, rows = boost.setup(config)
     losses = []
     for i in range(SSMS):
-        before = distilled_loss(boost.build_ssm(config, ssm_config, i), rows, tokenizer.pad_token_id)
+        before = distilled_loss(build_ssm(config, ssm_config, i), rows, tokenizer.pad_token_id)
         trained = AutoModelForCausalLM.from_pretrained(pool / f"ssm-{i}", dtype=torch.float32)
         after = distilled_loss(trained, rows, tokenizer.pad_token_id)
         if not after < before:

@@ -11,9 +11,10 @@
 (b) pool vs single: the boosted pool's coverage against one SSM of the same config trained on ALL
     the distilled training samples for as many steps as the whole pool took (sum of its rounds).
 
-Everything is scored on the boost run's held-out distilled samples with boost.py's own functions
-(`output_hits`, `held_out_scores`): acceptance = accepted fraction of greedy chains of `chain`
-drafts, coverage = fraction of output positions where any SSM's greedy next token is the LLM's.
+Everything is scored on the boost run's held-out distilled samples with boost's own functions
+(boost_scoring.py: `output_hits`, `held_out_scores`): acceptance = accepted fraction of greedy
+chains of `chain` drafts, coverage = fraction of output positions where any SSM's greedy next
+token is the LLM's.
 
 OUT (default BOOST/compare-pool): distilled/, raw/, single/ (each ssm-0/ and round-0/checkpoints/,
 rebuilt on every run), cache/ (the corpus), compare_pool.json (atomic).
@@ -33,21 +34,14 @@ from typing import Any
 import datasets
 import torch
 
-from specboost.training.boost import (
-    RECORD_FILE,
-    BoostConfig,
-    add_hits,
-    build_ssm,
-    context_of,
-    held_out_scores,
-    load_ssm,
-    output_hits,
-    setup,
-    train_round,
-    training_examples,
-)
+from specboost.training.boost import RECORD_FILE, setup
+from specboost.training.boost_config import BoostConfig
+from specboost.training.boost_data import training_examples
+from specboost.training.boost_scoring import add_hits, held_out_scores, output_hits
 from specboost.training.reference_llm import DEFAULT_CORPUS, find_corpus, load_corpus, pack_blocks
 from specboost.training.run_files import library_versions, write_json_atomic
+from specboost.training.ssm_setup import build_ssm, context_of, load_ssm
+from specboost.training.ssm_training import train_round
 
 RESULT_FILE = "compare_pool.json"
 CHARS_PER_TOKEN = 6.0  # a high estimate for the byte-level BPE: enough documents to fill the blocks
@@ -76,7 +70,8 @@ def score(hits: dict[int, torch.Tensor], chain: int) -> dict[str, float]:
 def train_ssm(
     config: BoostConfig, ssm_config: Any, train_set: datasets.Dataset, tokenizer: Any, folder: Path
 ) -> tuple[Path, int, float | None]:
-    """A fresh SSM (the pool's round-0 seed) trained with boost.py's Trainer setup into folder/ssm-0."""
+    """A fresh SSM (the pool's round-0 seed) trained with boost's Trainer setup (ssm_training.py)
+    into folder/ssm-0."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     steps, loss = train_round(config, 0, train_set, build_ssm(config, ssm_config, 0), tokenizer, folder)

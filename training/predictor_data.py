@@ -51,8 +51,9 @@ from specboost.speculator.beam_search import beam_match_lengths
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.model_info import check_model_location
 from specboost.speculator.predictor import DEPTHS, WIDTHS
-from specboost.training.distill import claim_run_folder, load_distilled, read_shards, write_shard
+from specboost.training.distill import load_distilled
 from specboost.training.run_files import library_versions, write_json_atomic
+from specboost.training.run_shards import claim_run_folder, read_shards, write_shard
 
 DATA_DIR, METADATA_FILE = "data", "metadata.json"
 
