@@ -115,15 +115,21 @@ def _finish(
     return residual, 1.0 - float(w)
 
 
+def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """MSS's R <- norm(max(R - q, 0)) (ALGORITHMS.md section 2); keeps R if the difference vanishes
+    (then q == R and the proposal was accepted)."""
+    diff = torch.clamp(r - q, min=0)
+    total = diff.sum()
+    return diff / total if total > 0 else r
+
+
 def mss_plan(p: torch.Tensor, qs: Sequence[torch.Tensor]) -> NodePlan:
     """Multi-step speculative sampling as a rule of F (Corollary 4); float64."""
     p, qs = p.double(), [q.double() for q in qs]
     r, accept = p, []
     for q in qs:
         accept.append(_ratio(r, q))
-        diff = torch.clamp(r - q, min=0)
-        total = diff.sum()
-        r = diff / total if float(total) > 0 else r
+        r = residual(r, q)
     _, acceptance = _finish(p, qs, accept)
     return NodePlan(accept, r, acceptance, "mss")
 

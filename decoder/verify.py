@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from specboost.decoder.multi_draft import best_plan
+from specboost.decoder.multi_draft import best_plan, residual
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.tree import DraftKind, Proposal, TokenTree
 
@@ -73,13 +73,6 @@ class Verdict:
 
 def _normalize(x: torch.Tensor) -> torch.Tensor:
     return x / x.sum()
-
-
-def _residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """R <- norm(max(R - q, 0)); keeps R if the difference vanishes (then q == R and x was accepted)."""
-    diff = torch.clamp(r - q, min=0)
-    total = diff.sum()
-    return diff / total if total > 0 else r
 
 
 def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
@@ -146,7 +139,7 @@ def verify_mss(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | No
             if _uniform(generator, p.device) * prop.q[x] < r[x]:  # r < R(x) / q(x)
                 chosen = child
                 break
-            r = _residual(r, prop.q)
+            r = residual(r, prop.q)
         if chosen is None:
             return Verdict(accepted, int(torch.multinomial(r, 1, generator=generator)))
         accepted.append(chosen)
@@ -191,7 +184,7 @@ def verify_without_replacement(
             if _uniform(generator, p.device) * d[x] < r[x]:  # r < R(x) / D(x)
                 chosen = child
                 break
-            r = _residual(r, d)
+            r = residual(r, d)
             rejected[x] = True
             d[x] = 0
             if d.sum() <= 0:

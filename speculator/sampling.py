@@ -146,6 +146,15 @@ class LogitsToProbs:
         """[N, V] logits -> [N, V] float32 probabilities."""
         return torch.softmax(self.scores(logits, histories), dim=-1)
 
+    def along(self, logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Teacher forcing: [B, n, V] logits that predict ids[:, start : start + n] -> [B, n, V]
+        probabilities, step t processed with its history ids[:, : start + t] as `generate` saw it
+        (one processor call per step only when the processors read the history)."""
+        if not self.needs_history:
+            return self(logits.flatten(0, 1)).view(logits.shape)
+        steps = [self(logits[:, t], ids[:, : start + t]) for t in range(logits.shape[1])]
+        return torch.stack(steps, 1) if steps else torch.zeros(logits.shape, device=logits.device)
+
     def choose(
         self,
         logits: torch.Tensor,

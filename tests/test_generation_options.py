@@ -29,11 +29,12 @@ from conftest import char_tokenizer, noisy_copy, tiny_llama
 from test_sampling_lossless import ALPHA, gof_pvalue, marginal, spread
 from transformers import GenerationConfig
 from transformers.generation import CompileConfig, ContinuousBatchingConfig, WatermarkingConfig
-from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, TopologyShape
 from specboost.decoder.generation_options import HONOURED, KNOWN, NO_EFFECT, REFUSED
 from specboost.decoder.sequence import new_sequence
+from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 
 VOCAB = 64
 PROMPT = [5, 9, 11, 2, 30]
@@ -322,3 +323,20 @@ def test_processors_are_transformers_own() -> None:
     )
     assert isinstance(row.probs.processors, LogitsProcessorList)
     assert [type(p).__name__ for p in row.probs.processors] == ["RepetitionPenaltyLogitsProcessor"]
+
+
+@pytest.mark.parametrize("penalty", [None, 1.5])
+def test_teacher_forced_processing_gives_each_step_its_own_history(penalty: float | None) -> None:
+    """LogitsToProbs.along (distillation targets, the bench's TV) equals processing every step
+    alone with the tokens before it, with and without a processor that reads the history."""
+    config = SamplingConfig(do_sample=True, temperature=0.7)
+    processors = config.warpers()
+    if penalty is not None:
+        processors.insert(0, RepetitionPenaltyLogitsProcessor(penalty))
+    probs = LogitsToProbs(config, processors)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 11, (2, 7), generator=gen)
+    logits = torch.randn(2, 4, 11, generator=gen)  # predict ids[:, 3:7]
+    expected = torch.stack([probs(logits[:, t], ids[:, : 3 + t]) for t in range(4)], 1)
+    assert probs.needs_history == (penalty is not None)
+    torch.testing.assert_close(probs.along(logits, ids, 3), expected)

@@ -7,7 +7,7 @@ Three layers of evidence (ALGORITHMS.md section 2):
    drawn, equals p(x) for MSS (one or several proposals, from one or several q), for sampling
    without replacement and for the k-sequential rule (`decoder/multi_draft.py`: SpecTr's rule,
    its generalisation to different q's, and the per-node choice between it and MSS), whose exact
-   acceptance is also checked against MSS's. Uses the library's own `_residual` and plans.
+   acceptance is also checked against MSS's. Uses the library's own `residual` and plans.
 2. The rules in `decoder/verify.py` on hand-built `TokenTree`s (no models), sampled many times
    with a `torch.Generator` and compared with p by a chi-square goodness-of-fit test; plus the
    properties Sequoia proves (k=1 acceptance = 1 - ||p - q||_1 / 2; without replacement with
@@ -167,7 +167,7 @@ def exact_mss(p: torch.Tensor, qs: list[torch.Tensor]) -> torch.Tensor:
     q = qs[0]
     accept = torch.where(q > 0, torch.clamp(p / q.clamp(min=1e-300), max=1.0), torch.zeros_like(p))
     rejected = 1.0 - (q * accept).sum()
-    return q * accept + rejected * exact_mss(verify._residual(p, q), qs[1:])
+    return q * accept + rejected * exact_mss(verify.residual(p, q), qs[1:])
 
 
 def exact_without_replacement(p: torch.Tensor, d: torch.Tensor, k: int) -> torch.Tensor:
@@ -183,7 +183,7 @@ def exact_without_replacement(p: torch.Tensor, d: torch.Tensor, k: int) -> torch
         d_next = d.clone()
         d_next[x] = 0
         d_next = d_next / d_next.sum()
-        out += d[x] * (1 - accept) * exact_without_replacement(verify._residual(p, d), d_next, k - 1)
+        out += d[x] * (1 - accept) * exact_without_replacement(verify.residual(p, d), d_next, k - 1)
     return out
 
 
@@ -479,7 +479,7 @@ def test_wrong_rules_fail_one_step(wrong: str, draft, monkeypatch: pytest.Monkey
         "without_replacement_without_residual": verify_without_replacement,
     }[wrong]
     if wrong != "accept_every_draft":
-        monkeypatch.setattr(verify, "_residual", _no_residual)
+        monkeypatch.setattr(verify, "residual", _no_residual)
     counts, _ = one_node_outputs(rule, P, draft, UNIT_DRAWS, seed=5)
     pvalue = gof_pvalue(counts, P)
     assert pvalue < WRONG_P, f"the harness failed to reject {wrong}: p-value {pvalue:.2e}"
@@ -789,7 +789,7 @@ def test_wrong_rule_fails_end_to_end(models, wrong: str, monkeypatch: pytest.Mon
     if wrong == "accept_every_draft":
         monkeypatch.setitem(verify.RULES, Rule.MSS, accept_every_draft)
     else:
-        monkeypatch.setattr(verify, "_residual", _no_residual)
+        monkeypatch.setattr(verify, "residual", _no_residual)
     sampling = dict(temperature=1.0)
     dec = SpeculativeDecoder(models["llm"], [models["ssm_a"]], shape=ChainShape(1))
     counts, _ = sample_decoder(dec, 400, 2, seed0=60_000, **sampling)

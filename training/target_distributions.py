@@ -150,9 +150,9 @@ class TopKRecorder:
         top_probs = torch.zeros((len(outputs), steps, top_k), dtype=torch.float16)
         tail = torch.zeros((len(outputs), steps), dtype=torch.float32)
         whole = top_k >= logits.shape[-1]
+        processed = self.processing.along(logits, ids, width)  # [B, n, V], each step its own history
         for t in range(steps):
-            probs = self.processing(logits[:, t].float(), ids[:, : width + t])  # [B, V], `generate`'s history
-            values, indices = probs.topk(top_k, dim=-1)
+            values, indices = processed[:, t].topk(top_k, dim=-1)
             top_ids[:, t], top_probs[:, t] = indices.int().cpu(), values.half().cpu()
             if not whole:
                 tail[:, t] = (1.0 - values.sum(-1)).clamp(min=0.0).cpu()

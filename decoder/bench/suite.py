@@ -419,11 +419,11 @@ def measured_tv(
                 ids = torch.cat([prompt, torch.tensor(row, dtype=prompt.dtype, device=prompt.device)])[None]
                 options = decoding.options() | {"max_new_tokens": max(1, len(row))}
                 probs = resolve(llm, None, options, prompt[None]).probs
-                p = _teacher_forced(llm, ids, len(row), probs)
+                p = teacher_forced(llm, ids, len(row), probs)
                 for name, ssms in pools.items():
                     for j, ssm in enumerate(ssms):
                         totals[name][j] += 0.5 * float(
-                            (p - _teacher_forced(ssm, ids, len(row), probs)).abs().sum()
+                            (p - teacher_forced(ssm, ids, len(row), probs)).abs().sum()
                         )
                 positions += len(row)
     return {
@@ -432,15 +432,10 @@ def measured_tv(
     }
 
 
-def _teacher_forced(model: PreTrainedModel, ids: torch.Tensor, n: int, probs: LogitsToProbs) -> torch.Tensor:
-    """[n, V]: `model`'s processed distributions of the last n tokens of `ids` [1, L] (none: empty)."""
-    if n == 0:
-        return torch.zeros(0, device=ids.device)
-    logits = model(ids[:, :-1]).logits[0, -n:]
-    if not probs.needs_history:
-        return probs(logits)
-    start = ids.shape[1] - n  # the history of the token at `start + t` is ids[:, : start + t]
-    return torch.cat([probs(logits[t : t + 1], ids[:, : start + t]) for t in range(n)])
+def teacher_forced(model: PreTrainedModel, ids: torch.Tensor, n: int, probs: LogitsToProbs) -> torch.Tensor:
+    """[n, V]: `model`'s processed distributions of the last n tokens of `ids` [1, L]."""
+    logits = model(ids[:, :-1]).logits[:, ids.shape[1] - 1 - n :]
+    return probs.along(logits, ids, ids.shape[1] - n)[0]
 
 
 def ssm_token_seconds(models: Models, prompt: torch.Tensor, repeats: int) -> dict[str, list[float]]:
