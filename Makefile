@@ -41,10 +41,13 @@ SCHED_DISTILLED ?= $(ARTIFACTS)/distill/$(SCHED_PROMPTS)
 PREDICTOR_DATA ?= $(ARTIFACTS)/predictor-data
 PREDICTOR_DATA_FLAGS ?= --threads 1
 SCHED_EVAL_FLAGS ?= --max-prompts 8 --max-new-tokens 64 --repeats 3 --threads 1
-# demo: the whole offline loop on the tiny reference LLM, then a decoding comparison on
-# held-out in-domain prompts (Gutenberg books kept out of the corpus).
+# demo: the whole offline loop on the tiny reference LLM (the targets below, in order), then
+# `specboost bench --suite demo` on the exported pool: every single-file bench row plus Sequoia and
+# the learned scheduler, greedy, on 8 held-out Gutenberg openings (books kept out of the corpus,
+# prompts kept out of the predictor's labels). Report in ARTIFACTS/demo-bench.
+DEMO_LLM := $(ARTIFACTS)/reference-llm/tiny/model
 DEMO_BOOST_FLAGS ?= --max-steps 400
-DEMO_BENCH_FLAGS ?= --max-new-tokens 64 --max-prompts 8 --repeats 3 --warmup 1 --threads 1
+DEMO_BENCH_FLAGS ?= --max-new-tokens 64 --repeats 3 --warmup 1 --threads 1
 # check-deepspeed: DeepSpeed (the optional `deepspeed` extra) lives in its own venv, never in .venv or CI's.
 DS_VENV  := .venv-deepspeed
 DS_BIN   := $(DS_VENV)/bin
@@ -107,8 +110,10 @@ reference-llm: $(STAMP)
 	$(BIN)/python -m specboost.training.reference_llm --preset $(PRESET) --out $(OUT) $(if $(THREADS),--threads $(THREADS))
 
 # Needs the LLM first: `make reference-llm` (the default DISTILL_LLM) or DISTILL_LLM=PATH.
+# Into ARTIFACTS/distill/<DISTILL_PROMPTS' name, or its file's stem>.
 distill: $(STAMP)
-	$(BIN)/python -m specboost.training.distill --llm $(DISTILL_LLM) --prompts $(DISTILL_PROMPTS) $(DISTILL_FLAGS)
+	$(BIN)/python -m specboost.training.distill --llm $(DISTILL_LLM) --prompts $(DISTILL_PROMPTS) \
+		--out $(ARTIFACTS)/distill/$(basename $(notdir $(DISTILL_PROMPTS))) $(DISTILL_FLAGS)
 
 # Needs a finished boost run in EXPORT_BOOST (ssm-i/ + boost_record.json).
 export: $(STAMP)
@@ -165,15 +170,40 @@ BATCH_BENCH_FLAGS ?= --llm $(ARTIFACTS)/reference-llm/tiny/model --ssm $(ARTIFAC
 bench-batched: $(STAMP)
 	$(BIN)/specboost bench --suite batched $(BATCH_BENCH_FLAGS) --out $(ARTIFACTS)/batch-bench
 
-# From a fresh clone, nothing downloaded: reference LLM (tiny) -> distill -> boost -> export ->
-# tokens/step and speedup of the pool vs the LLM alone (and HF assisted generation).
+# Server load: N concurrent streamed requests on held-out prompts against `specboost serve`, speculation
+# on (the pool's manifest defaults) vs off (--strategy plain), both servers started in one process;
+# report in ARTIFACTS/serve-bench. Default: the small fixture's LLM and pool (`make bench` builds them).
+SERVE_LLM ?= $(ARTIFACTS)/reference-llm/small/model
+SERVE_POOL ?= $(ARTIFACTS)/bench-fixture/small/pool-export
+SERVE_BENCH_FLAGS ?= --requests 64 --concurrency 8 --max-tokens 64 --rounds 2 --threads 1
+.PHONY: bench-serve
+
+bench-serve: $(STAMP)
+	$(BIN)/python -m specboost.decoder.bench.serve_load --llm $(SERVE_LLM) --pool $(SERVE_POOL) \
+		$(SERVE_BENCH_FLAGS) --out $(ARTIFACTS)/serve-bench
+
+# Serve the demo's pool on 127.0.0.1:8000 (OpenAI-compatible; SERVE_FLAGS="--api-key KEY ...").
+SERVE_FLAGS ?=
+.PHONY: serve
+
+serve: $(STAMP)
+	$(BIN)/specboost serve --llm $(DEMO_LLM) --pool $(EXPORT_OUT) $(SERVE_FLAGS)
+
+# From a fresh clone, nothing downloaded: reference LLM (tiny) -> distill -> boost -> predictor
+# labels (distilling SCHED_PROMPTS first) -> predictor -> this machine's hardware profile -> Sequoia
+# acceptance vectors -> export (the pool with all three, so strategy="learned" and "sequoia" run on
+# it) -> tokens/step and speedup of every method vs the LLM alone (and HF assisted generation).
 demo: $(STAMP)
 	$(MAKE) reference-llm PRESET=tiny
-	$(MAKE) distill DISTILL_LLM=$(ARTIFACTS)/reference-llm/tiny/model
-	$(MAKE) boost BOOST_LLM=$(ARTIFACTS)/reference-llm/tiny/model BOOST_FLAGS="$(DEMO_BOOST_FLAGS)"
+	$(MAKE) distill DISTILL_LLM=$(DEMO_LLM)
+	$(MAKE) boost BOOST_LLM=$(DEMO_LLM) BOOST_FLAGS="$(DEMO_BOOST_FLAGS)"
+	$(MAKE) predictor-data SCHED_LLM=$(DEMO_LLM)
+	$(MAKE) predictor
+	$(MAKE) profile SCHED_LLM=$(DEMO_LLM)
+	$(MAKE) sequoia-acceptance BOOST_LLM=$(DEMO_LLM)
 	$(MAKE) export EXPORT_BOOST=$(BOOST_OUT)
-	$(BIN)/specboost bench --llm $(ARTIFACTS)/reference-llm/tiny/model --ssm $(BOOST_OUT)/ssm-* \
-		--prompts data/prompts/gutenberg_openings.txt $(DEMO_BENCH_FLAGS) --out $(ARTIFACTS)/demo-bench
+	$(BIN)/specboost bench --suite demo --llm $(DEMO_LLM) --pool $(EXPORT_OUT) $(DEMO_BENCH_FLAGS) \
+		--out $(ARTIFACTS)/demo-bench
 
 # torch first and pinned again beside the extra, so that pip keeps the local CPU wheel (DeepSpeed
 # only asks for torch>=2); DeepSpeed's setup is run against that torch (no build isolation), and

@@ -1,10 +1,12 @@
-"""The `specboost` command line: `specboost generate ...`, `specboost profile ...` and `specboost bench ...`.
+"""The `specboost` command line: `specboost generate|serve|profile|bench ...`.
 
     specboost generate --llm artifacts/tiny-models/llm \\
         --ssm artifacts/tiny-models/ssm-0 artifacts/tiny-models/ssm-1 --prompt "Once upon a time"
+    specboost generate --llm PATH --pool POOL_DIR|ID --prompt "Once upon a time"
+    specboost serve --llm PATH --pool POOL_DIR|ID [--host 127.0.0.1 --port 8000 --api-key KEY]
     specboost profile --llm PATH --ssm PATH [PATH ...] --out POOL_DIR/hardware_profile.json
     specboost bench --llm PATH --ssm PATH [PATH ...] --prompts data/prompts/bench_prompts.txt --out DIR
-    specboost bench --suite default|quick|batched|strategies|scheduler|FILE [options]
+    specboost bench --suite default|quick|demo|batched|strategies|scheduler|FILE [options]
 
 Models and tokenizers are loaded from folders written by `save_pretrained`; nothing is downloaded.
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,15 +26,24 @@ from specboost.decoder.bench.configurations import FILE_BENCH, FILE_BENCH_OPTION
 from specboost.decoder.bench.protocol import Protocol
 from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
+from specboost.decoder.pool import SHAPE_KINDS, PoolDefaults, SSMPool
 from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.serve.command import add_serve_arguments, serve
 from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
 from specboost.speculator.length_control import CONTROLLERS
-from specboost.speculator.loading import DTYPES, check_model_path, load_models
+from specboost.speculator.loading import (
+    DTYPES,
+    check_model_path,
+    load_causal_lm,
+    load_models,
+    load_tokenizer,
+    resolve_device,
+)
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sequoia_acceptance import load_acceptance_file
-from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
+from specboost.speculator.shapes import ChainShape, DraftShape, TopologyShape
 
 DEFAULT_TOPOLOGY = Shapes().topology_children
 _TOPOLOGY_TEXT = json.dumps([list(level) for level in DEFAULT_TOPOLOGY])
@@ -55,9 +68,15 @@ def _topology(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(level) for level in levels)
 
 
-def _add_model_options(parser: argparse.ArgumentParser, required: bool = True, defaults: bool = True) -> None:
+def _add_model_options(
+    parser: argparse.ArgumentParser,
+    required: bool = True,
+    defaults: bool = True,
+    ssm_group: argparse._MutuallyExclusiveGroup | None = None,
+) -> None:
     """--llm, --ssm, --tokenizer, --dtype, --device; without `defaults` an unset --dtype or --device
-    stays None, so that the command can tell it from one given (bench: the suite's own settings)."""
+    stays None, so that the command can tell it from one given (bench: the suite's own settings).
+    `ssm_group`: a required group that --ssm joins as one of its alternatives (generate: --pool)."""
     parser.add_argument(
         "--llm",
         required=required,
@@ -65,10 +84,10 @@ def _add_model_options(parser: argparse.ArgumentParser, required: bool = True, d
         metavar="PATH",
         help="folder of the target LLM (save_pretrained)",
     )
-    parser.add_argument(
+    (ssm_group or parser).add_argument(
         "--ssm",
         dest="ssms",
-        required=required,
+        required=required and ssm_group is None,
         type=Path,
         nargs="+",
         action="extend",
@@ -101,53 +120,40 @@ def _add_topology_option(parser: argparse._ActionsContainer, used_by: str, defau
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specboost", description="Lossless speculative decoding with a pool of small speculative models."
+def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
+    """The models (--llm with --ssm or --pool) and how they decode: shape, verification, strategy
+    (generate and serve build their decoder from these, `build_decoder`)."""
+    ssms = parser.add_mutually_exclusive_group()
+    _add_model_options(parser, ssm_group=ssms)
+    ssms.add_argument(
+        "--pool",
+        metavar="DIR|ID",
+        help="instead of --ssm: an exported SSM pool (`make export`), a folder or a hub id 'org/name', "
+        "checked against the LLM and its tokenizer (default tokenizer: the LLM folder's, else the pool's). "
+        "Its manifest's decoding choices (strategy, shape, length controller) are the defaults of the "
+        "options below, and --predictor, --profile, --acceptance default to the files it ships",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    gen = commands.add_parser("generate", help="generate text from one prompt with SpeculativeDecoder")
-    _add_model_options(gen)
-    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
-    gen.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default: 64)"
+    shape = parser.add_argument_group(
+        "draft shape (what every SSM drafts per step)",
+        "Unset options take --pool's shape (of the same kind), else the defaults below.",
     )
-    gen.add_argument(
-        "--stop",
-        nargs="+",
-        action="extend",
-        metavar="STRING",
-        help="stop strings: generation ends with the token that completes one (that token is kept)",
-    )
-    gen.add_argument("--json", action="store_true", help="print text and stats as one JSON object")
-    sampling = gen.add_argument_group("sampling (unset options come from the LLM's generation_config)")
-    sampling.add_argument(
-        "--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy"
-    )
-    sampling.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
-    sampling.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (0 = off)")
-    sampling.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1.0 = off)")
-    sampling.add_argument("--seed", type=int, metavar="S", help="seed for reproducible sampling")
-    shape = gen.add_argument_group("draft shape (what every SSM drafts per step)")
     shape.add_argument(
         "--shape",
-        choices=("chain", "beam", "topology"),
-        help="(default: chain; none for --strategy sequoia, which builds its own tree)",
+        choices=tuple(SHAPE_KINDS),
+        help="(default: the pool's, else chain; none for --strategy sequoia, which builds its own tree)",
     )
-    shape.add_argument("--length", type=int, default=4, metavar="L", help="chain length (default: 4)")
+    shape.add_argument("--length", type=int, metavar="L", help="chain length (default: the pool's, else 4)")
     shape.add_argument(
         "--chain-samples",
         type=int,
-        default=1,
         metavar="K",
         help="with --do-sample: sampled chains per SSM, drawn independently and merged (SpecTr); verify "
-        "them with --rule k_sequential (default: 1)",
+        "them with --rule k_sequential (default: the pool's, else 1)",
     )
-    shape.add_argument("--width", type=int, default=2, metavar="W", help="beam width (default: 2)")
-    shape.add_argument("--depth", type=int, default=4, metavar="D", help="beam depth (default: 4)")
-    _add_topology_option(shape, "--shape topology")
-    verification = gen.add_argument_group("verification")
+    shape.add_argument("--width", type=int, metavar="W", help="beam width (default: the pool's, else 2)")
+    shape.add_argument("--depth", type=int, metavar="D", help="beam depth (default: the pool's, else 4)")
+    _add_topology_option(shape, "--shape topology", defaults=False)
+    verification = parser.add_argument_group("verification")
     verification.add_argument(
         "--rule",
         choices=[r.value for r in Rule],
@@ -163,21 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
         "shape) (default: tree)",
     )
 
-    strategy = gen.add_argument_group("strategy")
+    strategy = parser.add_argument_group("strategy")
     strategy.add_argument(
         "--strategy",
         choices=STRATEGIES,
-        default="pool",
         help="pool: every SSM drafts the shape above, trees merged; learned: the learned scheduler picks a "
         "beam per SSM and step (needs --predictor); majority: only the weighted-majority chain is verified; "
         "pruned: the merged tree cut to --budget nodes by SSM weight; sequoia: one SSM fills a DP-optimal "
-        "tree (needs --acceptance, and --nodes or --profile) (default: pool)",
+        "tree (needs --acceptance, and --nodes or --profile) (default: the pool's, else pool; given, it "
+        "replaces the pool's whole choice: its shape and length controller are not used)",
     )
     strategy.add_argument(
         "--length-controller",
         choices=sorted(CONTROLLERS),
         help="adapt the chain length every step (pool, majority, pruned with chain shapes): minions "
-        "(Minions 3.3) or bass (BASS Algorithm 1) (default: fixed --length)",
+        "(Minions 3.3) or bass (BASS Algorithm 1) (default: the pool's, else a fixed --length)",
     )
     strategy.add_argument(
         "--budget",
@@ -201,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--acceptance",
         type=Path,
         metavar="FILE",
-        help="sequoia: acceptance vectors, one per --ssm (`make sequoia-acceptance` writes them)",
+        help="sequoia: acceptance vectors, one per --ssm (`make sequoia-acceptance` writes them; default: "
+        "the pool's)",
     )
     strategy.add_argument(
         "--sequoia-ssm",
@@ -210,18 +217,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequoia: the SSM that drafts (default: the most promising)",
     )
     strategy.add_argument(
-        "--predictor", type=Path, metavar="DIR", help="match-length predictor folder (make predictor)"
+        "--predictor",
+        type=Path,
+        metavar="DIR",
+        help="match-length predictor folder (make predictor; default: the pool's)",
     )
     strategy.add_argument(
         "--profile",
         type=Path,
         metavar="FILE",
-        help="hardware_profile.json from `specboost profile` (learned: default measured on the spot; "
-        "sequoia: picks the tree size)",
+        help="hardware_profile.json from `specboost profile` (default: the pool's for this device; "
+        "learned: else measured on the spot; sequoia: picks the tree size)",
     )
     strategy.add_argument(
         "--force-profile", action="store_true", help="use a profile measured on other hardware"
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specboost", description="Lossless speculative decoding with a pool of small speculative models."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from one prompt with SpeculativeDecoder")
+    _add_decoder_options(gen)
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default: 64)"
+    )
+    gen.add_argument(
+        "--stop",
+        nargs="+",
+        action="extend",
+        metavar="STRING",
+        help="stop strings: generation ends with the token that completes one (that token is kept)",
+    )
+    gen.add_argument("--json", action="store_true", help="print text and stats as one JSON object")
+    sampling = gen.add_argument_group("sampling (unset options come from the LLM's generation_config)")
+    sampling.add_argument(
+        "--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy"
+    )
+    sampling.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
+    sampling.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (0 = off)")
+    sampling.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1.0 = off)")
+    sampling.add_argument("--seed", type=int, metavar="S", help="seed for reproducible sampling")
+
+    server = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming, /metrics) "
+        "on the serving engine",
+    )
+    _add_decoder_options(server)
+    add_serve_arguments(server)
 
     prof = commands.add_parser(
         "profile", help="measure verify and speculation latencies on this machine (learned scheduler)"
@@ -345,16 +393,28 @@ def _add_suite_options(bench: argparse.ArgumentParser) -> None:
 
 
 # generate ---------------------------------------------------------------------------------------
-def _shape(args: argparse.Namespace) -> DraftShape | None:
-    if args.shape is None and args.strategy == "sequoia":
+# A shape's field -> the dest of its generate option.
+SHAPE_OPTIONS = {"length": "length", "samples": "chain_samples", "width": "width", "depth": "depth"}
+
+
+def _shape(args: argparse.Namespace, default: DraftShape | None) -> DraftShape | None:
+    """The draft shape from --shape and its options over `default` (the pool's shape, else the
+    decoder's; None for sequoia, which builds its own tree): the kind from --shape, else the
+    default's; each parameter from its option, else the default's if of that kind, else the kind's."""
+    if args.shape is None and default is None:
         return None
-    if args.shape in (None, "chain"):
-        return ChainShape(args.length, args.chain_samples)
-    if args.chain_samples != 1:
-        raise ValueError(f"--chain-samples is for --shape chain, not --shape {args.shape}")
-    if args.shape == "beam":
-        return BeamShape(args.width, args.depth)
-    return TopologyShape.from_children_counts([list(level) for level in args.topology_children])
+    name = args.shape or next(k for k, kind in SHAPE_KINDS.items() if isinstance(default, kind))
+    kind = SHAPE_KINDS[name]
+    if args.chain_samples is not None and kind is not ChainShape:
+        raise ValueError(f"--chain-samples is for --shape chain, not --shape {name}")
+    base = default if isinstance(default, kind) else None
+    if kind is TopologyShape:
+        if args.topology_children is None and base is not None:
+            return base
+        children = args.topology_children or DEFAULT_TOPOLOGY
+        return TopologyShape.from_children_counts([list(level) for level in children])
+    given = {f.name: getattr(args, SHAPE_OPTIONS[f.name]) for f in fields(kind)}
+    return replace(base or kind(), **{k: v for k, v in given.items() if v is not None})
 
 
 def format_stats(out: SpeculativeOutput) -> str:
@@ -371,15 +431,26 @@ def format_stats(out: SpeculativeOutput) -> str:
     )
 
 
-def generate(args: argparse.Namespace) -> int:
-    models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
+def _decoder_options(
+    args: argparse.Namespace,
+    defaults: PoolDefaults,
+    pool: SSMPool | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """SpeculativeDecoder's keywords from generate's options; unset ones from `defaults` (the
+    pool's decoding choices, else the decoder's). A given --strategy replaces the pool's whole
+    choice, as strategy= does in `SpeculativeDecoder.from_pretrained`."""
+    choice = defaults if args.strategy is None else PoolDefaults(args.strategy)
     predictor = MatchLengthPredictor.from_pretrained(args.predictor) if args.predictor else None
-    if args.strategy == "learned" and predictor is None:
-        raise ValueError("--strategy learned needs --predictor DIR (train one with `make predictor`)")
+    if choice.strategy == "learned" and predictor is None and (pool is None or pool.predictor is None):
+        raise ValueError(
+            "--strategy learned needs --predictor DIR (train one with `make predictor`), or a --pool that "
+            "ships one"
+        )
     cost_model = None
     if args.profile is not None:
-        key = device_key(models.llm.device, models.llm.dtype)
-        cost_model = load_cost_model(args.profile, key, args.force_profile)
+        cost_model = load_cost_model(args.profile, device_key(device, dtype), args.force_profile)
     options = StrategyOptions(
         budget=args.budget,
         nodes=args.nodes,
@@ -387,21 +458,47 @@ def generate(args: argparse.Namespace) -> int:
         acceptance=load_acceptance_file(args.acceptance) if args.acceptance is not None else None,
         ssm=args.sequoia_ssm,
     )
-    decoder = SpeculativeDecoder(
-        models.llm,
-        models.ssms,
-        models.tokenizer,
-        shape=_shape(args),
-        rule=args.rule,
-        verification=args.verification,
-        ssm_tokenizers=models.ssm_tokenizers,
-        strategy=args.strategy,
-        predictor=predictor,
-        cost_model=cost_model,
-        length_controller=args.length_controller,
-        strategy_options=options,
+    return {
+        "strategy": choice.strategy,
+        "shape": _shape(args, choice.shape),
+        "length_controller": args.length_controller or choice.length_controller,
+        "rule": args.rule,
+        "verification": args.verification,
+        "predictor": predictor,
+        "cost_model": cost_model,
+        "force_profile": args.force_profile,
+        "strategy_options": options,
+    }
+
+
+def build_decoder(args: argparse.Namespace) -> SpeculativeDecoder:
+    """The decoder of generate's and serve's options: --llm with --ssm or --pool (neither with
+    --strategy plain, which drafts nothing)."""
+    device, dtype = resolve_device(args.device), DTYPES[args.dtype]  # before anything loads
+    if args.strategy == "plain":
+        if args.ssms or args.pool:
+            raise ValueError("--strategy plain drafts nothing: drop --ssm / --pool")
+        llm = load_causal_lm(args.llm, dtype, device)
+        return SpeculativeDecoder(llm, [], load_tokenizer(args.tokenizer or args.llm), strategy="plain")
+    if args.pool is None:
+        if not args.ssms:
+            raise ValueError("give the SSMs: --ssm PATH [PATH ...] or --pool DIR|ID (or --strategy plain)")
+        options = _decoder_options(args, PoolDefaults(), None, device, dtype)
+        models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
+        return SpeculativeDecoder(
+            models.llm, models.ssms, models.tokenizer, ssm_tokenizers=models.ssm_tokenizers, **options
+        )
+    pool = SSMPool.from_pretrained(args.pool, device, dtype)
+    options = _decoder_options(args, pool.defaults, pool, device, dtype)
+    return SpeculativeDecoder.from_pretrained(
+        args.llm, pool, args.tokenizer, device=device, dtype=dtype, **options
     )
-    inputs = models.tokenizer(args.prompt, return_tensors="pt").to(models.llm.device)
+
+
+def generate(args: argparse.Namespace) -> int:
+    decoder = build_decoder(args)
+    tokenizer = decoder.tokenizer
+    inputs = tokenizer(args.prompt, return_tensors="pt").to(decoder.llm.device)
     with torch.inference_mode():
         out = decoder.generate(
             inputs.input_ids,
@@ -415,13 +512,20 @@ def generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     new_tokens = out.sequences[0, inputs.input_ids.shape[1] :]
-    text = models.tokenizer.decode(new_tokens, skip_special_tokens=True)
+    text = tokenizer.decode(new_tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, "finish_reason": out.finish_reason, "stats": out.stats.to_dict()}))
     else:
         print(text)
         print(format_stats(out), file=sys.stderr)
     return 0
+
+
+# serve ------------------------------------------------------------------------------------------
+def serve_command(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return serve(args, lambda: build_decoder(args))
 
 
 # profile ----------------------------------------------------------------------------------------
@@ -528,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         models = [] if args.llm is None else [args.llm, *ssms]
         for path in models:  # fail fast, before anything loads
             check_model_path(path)
-        commands = {"generate": generate, "profile": profile_command, "bench": bench}
+        commands = {"generate": generate, "serve": serve_command, "profile": profile_command, "bench": bench}
         return commands[args.command](args)
     except (FileNotFoundError, ValueError, NotImplementedError) as error:
         print(f"specboost {args.command}: error: {error}", file=sys.stderr)

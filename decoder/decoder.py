@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from specboost.decoder.batched import BatchedDecoder, BatchedOutput
 from specboost.decoder.compilation import CompileSetting, ModelCalls, compile_by_default
@@ -35,6 +37,7 @@ from specboost.decoder.verifiers import StairsVerifier, TreeVerifier, Verifier
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
+from specboost.speculator.loading import has_tokenizer, load_causal_lm, load_tokenizer, resolve_device
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import DraftShape
 from specboost.speculator.speculation import Speculator, pool_drafters
@@ -150,6 +153,46 @@ class SpeculativeDecoder:
         for drafter in pool_drafters(self.speculator):
             drafter.compiler = self.calls.get
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        llm: PreTrainedModel | str | Path,
+        pool: SSMPool | str | Path,
+        tokenizer: PreTrainedTokenizerBase | str | Path | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        **overrides: Any,
+    ) -> SpeculativeDecoder:
+        """A decoder for `llm` with an exported SSM pool, decoding as the pool recommends.
+
+        `llm` is a loaded model or a folder / hub id; `pool` an `SSMPool` or a folder / hub id for
+        `SSMPool.from_pretrained` (loaded first: a wrong pool fails before the LLM loads). Models
+        loaded here go to `device` (default: a given LLM's device, else the CPU) in `dtype`
+        (default: as saved). `tokenizer` (a tokenizer or its folder) defaults to the one in the
+        LLM's folder, else the pool's (boost saves the LLM's with every SSM). `pool.check_llm`
+        then refuses an LLM or tokenizer the pool was not exported for. The manifest's decoding
+        choices (`pool.defaults`: strategy, shape, length controller) are the defaults of
+        `overrides`, any keyword of `SpeculativeDecoder`; an explicit `strategy=` or `speculator=`
+        replaces all of them (see `PoolDefaults.decoder_options`).
+        """
+        target = resolve_device(device) if device is not None else None  # before anything loads
+        if target is None and isinstance(llm, PreTrainedModel):
+            target = llm.device  # the SSMs must sit on the LLM's device
+        if not isinstance(pool, SSMPool):
+            pool = SSMPool.from_pretrained(pool, target, dtype)
+        llm_folder = None
+        if not isinstance(llm, PreTrainedModel):
+            llm_folder = Path(llm).expanduser()
+            llm = load_causal_lm(llm, dtype, target)
+        if tokenizer is None:
+            own = llm_folder is not None and llm_folder.is_dir() and has_tokenizer(llm_folder)
+            tokenizer = load_tokenizer(llm_folder) if own else pool.tokenizer
+        elif not isinstance(tokenizer, PreTrainedTokenizerBase):
+            tokenizer = load_tokenizer(tokenizer)
+        pool.check_llm(llm, tokenizer)
+        return cls(llm, pool, tokenizer, **pool.defaults.decoder_options(overrides))
+
     # Generation ----------------------------------------------------------------------------------
     def generate(
         self,
@@ -164,6 +207,7 @@ class SpeculativeDecoder:
         stop_strings: str | list[str] | None = None,
         generation_config: GenerationConfig | None = None,
         seed: int | None = None,
+        streamer: BaseStreamer | None = None,
         **options: Any,
     ) -> SpeculativeOutput | BatchedOutput:
         """Generate like `llm.generate`: options are resolved as `generate` resolves them (explicit
@@ -172,7 +216,13 @@ class SpeculativeDecoder:
         (`decoder/generation_options.py`); `options` takes any other field, e.g.
         `repetition_penalty=1.2`. `seed` makes sampling reproducible. A batch (`input_ids` [B, L],
         B > 1, left-padded `attention_mask`) decodes every row at once and returns a
-        `BatchedOutput` (`decoder/batched.py`, ALGORITHMS.md section 11)."""
+        `BatchedOutput` (`decoder/batched.py`, ALGORITHMS.md section 11).
+
+        `streamer` (a transformers `BaseStreamer`, e.g. `TextStreamer`, `TextIteratorStreamer`)
+        gets what `llm.generate(streamer=...)` with an assistant model gives it: the prompt
+        ([1, L], padding dropped), then the tokens each verification step keeps ([1, n]), then
+        `end()` once, also when generation raises (`decoder/sequence.py`, `TokenStream`). As in
+        transformers, streaming is for one sequence: a batch with a streamer is refused."""
         options |= dict(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -184,12 +234,19 @@ class SpeculativeDecoder:
         )
         check_generate_arguments(input_ids, attention_mask, options, seed, output_vocab_size(self.llm))
         if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            if streamer is not None:
+                raise ValueError(
+                    "streamers support batch size 1, as in transformers; got a batch of "
+                    f"{input_ids.shape[0]}: generate the rows one by one, or submit each to the serving "
+                    "engine with its own streamer"
+                )
             batched = BatchedDecoder(self)
             return batched.generate(
                 input_ids, attention_mask, generation_config=generation_config, seed=seed, **options
             )
         mask = None if attention_mask is None else attention_mask.reshape(-1)
-        row = new_sequence(self, input_ids.reshape(-1), mask, generation_config, options, seed)
+        ids = input_ids.reshape(-1)
+        row = new_sequence(self, ids, mask, generation_config, options, seed, streamer=streamer)
         decode(self, [row])
         sequences = torch.tensor([row.tokens], dtype=torch.long, device=self.llm.device)
         return SpeculativeOutput(sequences, row.stats, row.finish_reason)

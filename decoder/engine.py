@@ -22,6 +22,15 @@ pool holds >= `batch_size` sequences the SSM worker pauses until the LLM has tak
 An exception while drafting or verifying a group fails that group's requests with the error
 (their `result()` raises it) and the engine serves on with a fresh group; an error in the engine
 itself fails every open request. Nothing waits forever.
+
+For a server: `submit(..., streamer=...)` streams a request's tokens as `SpeculativeDecoder.generate`
+does (`TokenStream`: the prompt, put by `submit`, then each step's kept tokens, put by the worker
+that verifies) and ends the stream exactly once, right after the request resolves: finished (its
+result is ready when `end()` comes), failed, or cancelled (then `end()` comes from the thread that
+cancels, and nothing is put after it). A streamer that raises fails its group's requests like any
+error of a round. `EngineConfig.max_queue` bounds the requests waiting for a row (`submit` raises
+`QueueFull` beyond it); `queue_depth`, `active_rows` and `stats` (with running totals of the
+completed requests' `DecodeStats`) are live metrics.
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 from specboost.decoder.loop import BatchConfig, LoopParts, SequenceGroup
-from specboost.decoder.sequence import SequenceState, new_sequence
+from specboost.decoder.sequence import SequenceState, TokenStream, new_sequence
 from specboost.decoder.stats import DecodeStats
 from specboost.decoder.validation import check_generate_arguments, output_vocab_size
 
@@ -48,18 +58,27 @@ class EngineConfig:
     """batch_size: sequences per group, i.e. the LLM's batch in one verification pass.
     num_groups: groups in flight; with 2 or more, drafting one group overlaps verifying another.
     pipeline: the SSM and LLM workers run concurrently (threads); False runs them in turn.
-    batch: how each group drafts (`BatchConfig`: batched chains, the BASS length controller)."""
+    batch: how each group drafts (`BatchConfig`: batched chains, the BASS length controller).
+    max_queue: the most requests that may wait for a row (submitted, not cancelled, not yet in a
+        group); `submit` raises `QueueFull` when that many wait. None: no limit."""
 
     batch_size: int = 4
     num_groups: int = 2
     pipeline: bool = True
     batch: BatchConfig = field(default_factory=BatchConfig)
+    max_queue: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.num_groups < 1:
             raise ValueError(
                 f"batch_size and num_groups must be >= 1, got {self.batch_size}, {self.num_groups}"
             )
+        if self.max_queue is not None and self.max_queue < 1:  # every request waits, if only briefly
+            raise ValueError(f"max_queue must be >= 1 or None (no limit), got {self.max_queue}")
+
+
+class QueueFull(RuntimeError):
+    """`submit` refused a request: `EngineConfig.max_queue` requests are already waiting."""
 
 
 @dataclass
@@ -89,11 +108,15 @@ class RequestResult:
 
 
 class RequestHandle:
-    """A submitted request; resolves exactly once: a result, an error, or cancelled."""
+    """A submitted request; resolves exactly once: a result, an error, or cancelled. Its stream,
+    if any, ends right after."""
 
-    def __init__(self, on_cancel: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, on_cancel: Callable[[], None] = lambda: None, stream: TokenStream | None = None
+    ) -> None:
         self.submitted = time.perf_counter()
-        self._on_cancel = on_cancel  # wakes the engine's workers
+        self._on_cancel = on_cancel  # counts the cancellation, wakes the engine's workers
+        self._stream = stream
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._result: RequestResult | None = None
@@ -105,12 +128,16 @@ class RequestHandle:
                 return False
             self._result, self._error = result, error
             self._done.set()
-            return True
+        if self._stream is not None:
+            self._stream.end()
+        return True
 
     def cancel(self) -> bool:
-        """Stop the request (queued or running); False if it had already finished."""
+        """Stop the request (queued or running); False if it had already finished. A running
+        request leaves its group at the group's next round."""
         cancelled = self._resolve(error=CancelledError("the request was cancelled"))
-        self._on_cancel()
+        if cancelled:
+            self._on_cancel()
         return cancelled
 
     def cancelled(self) -> bool:
@@ -132,12 +159,39 @@ class RequestHandle:
 class EngineStats:
     completed: int = 0  # requests finished with a result
     failed: int = 0  # requests failed by an error
+    cancelled: int = 0  # requests cancelled before they finished
     llm_steps: int = 0  # verification passes
     draft_rounds: int = 0
     verify_seconds: float = 0.0  # the LLM worker's busy time
     draft_seconds: float = 0.0  # the SSM worker's busy time (admission included)
     paused_seconds: float = 0.0  # the SSM worker's wait on back-pressure
     max_pool_sequences: int = 0  # the most sequences ever waiting in the pool
+    # Totals of the completed requests' `DecodeStats` (ALGORITHMS.md section 13).
+    new_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    sequence_steps: int = 0  # verification steps summed over requests (a pass over B rows counts B)
+    proposed_per_ssm: dict[int, int] = field(default_factory=dict)
+    accepted_per_ssm: dict[int, int] = field(default_factory=dict)
+
+    def add(self, request: DecodeStats) -> None:
+        """Count a completed request's statistics in the totals."""
+        self.new_tokens += request.new_tokens
+        self.draft_tokens += request.draft_tokens
+        self.accepted_tokens += request.accepted_tokens
+        self.sequence_steps += request.llm_steps
+        for counts, total in (
+            (request.proposed_per_ssm, self.proposed_per_ssm),
+            (request.accepted_per_ssm, self.accepted_per_ssm),
+        ):
+            for ssm, n in counts.items():
+                total[ssm] = total.get(ssm, 0) + n
+
+    def copy(self) -> EngineStats:
+        """A snapshot that later rounds do not change (the per-SSM dicts copied too)."""
+        return replace(
+            self, proposed_per_ssm=dict(self.proposed_per_ssm), accepted_per_ssm=dict(self.accepted_per_ssm)
+        )
 
 
 class Engine:
@@ -150,8 +204,9 @@ class Engine:
         self.config = config or EngineConfig()
         self._cond = threading.Condition()
         self._queue: deque[SequenceState] = deque()  # submitted, not yet in a group
+        self._groups = [self._new_group() for _ in range(self.config.num_groups)]  # wherever they are
         # Groups waiting for the SSM worker; the others are in the pool or held by a worker.
-        self._idle: deque[SequenceGroup] = deque(self._new_group() for _ in range(self.config.num_groups))
+        self._idle: deque[SequenceGroup] = deque(self._groups)
         self._pool: deque[SequenceGroup] = deque()  # drafted, waiting for the LLM
         self._handles: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # every submitted request
         self._closing = False
@@ -177,23 +232,42 @@ class Engine:
         *,
         generation_config: GenerationConfig | None = None,
         seed: int | None = None,
+        streamer: BaseStreamer | None = None,
         **options: object,
     ) -> RequestHandle:
         """Queue one prompt (token ids, [L] or [1, L]); `options` as for `SpeculativeDecoder.generate`
-        (max_new_tokens, do_sample, ..., any `GenerationConfig` field). Bad settings raise here."""
+        (max_new_tokens, do_sample, ..., any `GenerationConfig` field). Bad settings raise here,
+        before `streamer` sees anything. `streamer` gets the prompt now, then the request's tokens
+        as they are verified, then `end()` once (see the module doc); if the engine then refuses
+        the request (`QueueFull`, closed), the stream ends before the error is raised."""
         ids = torch.as_tensor(prompt_ids)
         check_generate_arguments(ids, None, options, seed, output_vocab_size(self.decoder.llm))
-        handle = RequestHandle(self._wake)
-        row = new_sequence(self.decoder, ids.reshape(-1), None, generation_config, options, seed, tag=handle)
+        row = new_sequence(
+            self.decoder, ids.reshape(-1), None, generation_config, options, seed, streamer=streamer
+        )
+        row.tag = handle = RequestHandle(self._cancelled, row.stream)
         with self._cond:
-            if self._closing or self._error is not None:
-                raise RuntimeError(
-                    "the engine is closed" if self._error is None else f"the engine failed: {self._error!r}"
-                )
-            self._queue.append(row)
-            self._handles.add(handle)
-            self._cond.notify_all()
+            refusal = self._refusal()
+            if refusal is None:
+                self._queue.append(row)
+                self._handles.add(handle)
+                self._cond.notify_all()
+        if refusal is not None:
+            handle._resolve(error=refusal)  # ends the stream, outside the engine's lock
+            raise refusal
         return handle
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a row: submitted, not cancelled, not yet in a group."""
+        with self._cond:
+            return self._waiting()
+
+    @property
+    def active_rows(self) -> int:
+        """Rows in the groups now (a cancelled request's row until its group's next round)."""
+        with self._cond:
+            return sum(len(group) for group in self._groups)
 
     def run(
         self,
@@ -214,16 +288,22 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         with self._cond:
-            return replace(self._stats)
+            return self._stats.copy()
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The engine's own error once it has failed (every open request failed with it), else None."""
+        with self._cond:
+            return self._error
 
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop taking requests; finish the open ones (or cancel them) and stop the workers."""
         with self._cond:
             self._closing = True
-            if cancel:
-                for handle in list(self._handles):
-                    handle.cancel()
+            handles = list(self._handles) if cancel else []
             self._cond.notify_all()
+        for handle in handles:  # outside the lock: cancelling ends streams (the user's code)
+            handle.cancel()
         for thread in self._threads:
             thread.join(timeout)
 
@@ -241,9 +321,10 @@ class Engine:
         except BaseException as error:
             with self._cond:
                 self._error = error
-                for handle in list(self._handles):
-                    handle._resolve(error=error)
+                handles = list(self._handles)
                 self._cond.notify_all()
+            for handle in handles:  # outside the lock: resolving ends streams (the user's code)
+                handle._resolve(error=error)
 
     def _ssm_worker(self) -> None:
         while (taken := self._take_group()) is not None:
@@ -281,9 +362,27 @@ class Engine:
                 self._cond.notify_all()
 
     # Taking work (under the lock) ----------------------------------------------------------------
-    def _wake(self) -> None:
+    def _cancelled(self) -> None:
         with self._cond:
+            self._stats.cancelled += 1
             self._cond.notify_all()
+
+    def _waiting(self) -> int:
+        return sum(not row.tag.done() for row in self._queue)
+
+    def _refusal(self) -> RuntimeError | None:
+        """Why a new request cannot be queued now, if it cannot."""
+        if self._error is not None:
+            return RuntimeError(f"the engine failed: {self._error!r}")
+        if self._closing:
+            return RuntimeError("the engine is closed")
+        limit = self.config.max_queue
+        if limit is not None and self._waiting() >= limit:
+            return QueueFull(
+                f"{limit} requests are already waiting for a batch row, the engine's limit "
+                f"(EngineConfig.max_queue={limit}); retry later"
+            )
+        return None
 
     def _finished(self) -> bool:
         """Nothing left to do, ever: closing, no open queued request, every group home and empty."""
@@ -344,21 +443,24 @@ class Engine:
             finished = group.verify()
         except Exception as error:
             return self._fail(group, [], error)
-        completed = 0
-        for row in finished:
-            handle = row.tag
-            completed += handle._resolve(
+        completed = [  # resolved with a result (a request cancelled meanwhile is not)
+            row
+            for row in finished
+            if row.tag._resolve(
                 RequestResult(
                     sequences=torch.tensor([row.tokens], dtype=torch.long),
                     finish_reason=row.finish_reason,
                     stats=row.stats,
-                    latency=row.finished - handle.submitted,
-                    queued=row.started - handle.submitted,
+                    latency=row.finished - row.tag.submitted,
+                    queued=row.started - row.tag.submitted,
                 )
             )
+        ]
         with self._cond:
             self._stats.llm_steps += 1
-            self._stats.completed += completed
+            self._stats.completed += len(completed)
+            for row in completed:
+                self._stats.add(row.stats)
             self._stats.verify_seconds += time.perf_counter() - start
         return group
 
@@ -366,6 +468,8 @@ class Engine:
         """Fail the requests of a group whose round raised; a fresh group takes its place."""
         rows = {id(row): row for row in [*group.rows, *admitted]}.values()
         failed = sum(row.tag._resolve(error=error) for row in rows)
+        fresh = self._new_group()
         with self._cond:
             self._stats.failed += failed
-        return self._new_group()
+            self._groups[self._groups.index(group)] = fresh
+        return fresh

@@ -10,7 +10,8 @@ Each step:
 3. accept: each row's verification rule picks the accepted path and the LLM's own next token;
    the LLM cache keeps the accepted nodes (in-place index copies), drops the rest;
 4. feed back: the accepted tokens go through the row's stopping criteria, statistics and its
-   strategy; finished rows leave the group. Rows may join between steps (continuous batching).
+   strategy, and the tokens kept go to the row's streamer, if any (`TokenStream`); finished rows
+   leave the group. Rows may join between steps (continuous batching).
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ class SequenceGroup:
         with self.timer.phase("other"):
             for b, (row, verdict) in enumerate(zip(self.rows, verdicts, strict=True)):
                 emitted = [row.tree.tokens[u] for u in verdict.accepted] + [verdict.next_token]
-                row.tokens.extend(row.stop.extend(emitted))
+                kept = row.stop.extend(emitted)
+                row.tokens.extend(kept)
+                if row.stream is not None:
+                    row.stream.put(kept)
                 record_step(row.stats, row.tree, verdict.accepted)
                 if hidden is not None:
                     row.hidden = hidden[b]
@@ -198,13 +202,23 @@ class SequenceGroup:
 
 
 def decode(decoder: LoopParts, rows: list[SequenceState], config: BatchConfig | None = None) -> SequenceGroup:
-    """Decode `rows` to the end as one group; returns the group (its timer and step counts)."""
+    """Decode `rows` to the end as one group; returns the group (its timer and step counts). A
+    row's stream ends when the row finishes, and every stream ends if decoding raises."""
     group = SequenceGroup(decoder, config, rows=len(rows))
     group.admit(rows)
-    while len(group):
-        group.draft()
-        group.verify()
+    try:
+        while len(group):
+            group.draft()
+            end_streams(group.verify())
+    finally:
+        end_streams(rows)  # a no-op for the streams that ended
     return group
+
+
+def end_streams(rows: list[SequenceState]) -> None:
+    for row in rows:
+        if row.stream is not None:
+            row.stream.end()
 
 
 def record_step(stats: DecodeStats, tree: TokenTree, accepted: list[int]) -> None:

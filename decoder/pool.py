@@ -3,11 +3,14 @@
     pool = SSMPool.from_pretrained("artifacts/pool-export")  # or a hub id, "org/name"
     pool.check_llm(llm, tokenizer)
     decoder = SpeculativeDecoder(llm, ssms=pool, tokenizer=tokenizer)
+    # or in one call, with the manifest's decoding choices as defaults:
+    decoder = SpeculativeDecoder.from_pretrained(llm, "artifacts/pool-export")
 
 An exported pool folder holds `specboost_pool.json` (the manifest: the LLM the pool was trained
-for, the SSM subfolders, their voting weights) and one `save_pretrained` folder per SSM, each with
-the LLM's tokenizer; optionally the learned scheduler's predictor, the hardware profile and the
-SSMs' Sequoia acceptance vectors, which the manifest names.
+for, the SSM subfolders, their voting weights, the decoding choices it recommends (`PoolDefaults`))
+and one `save_pretrained` folder per SSM, each with the LLM's tokenizer; optionally the learned
+scheduler's predictor, the hardware profile and the SSMs' Sequoia acceptance vectors, which the
+manifest names.
 """
 
 from __future__ import annotations
@@ -15,26 +18,92 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from huggingface_hub import snapshot_download
+from safetensors import SafetensorError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specboost.decoder.validation import model_name, output_vocab_size
+from specboost.decoder.validation import check_shape, model_name, output_vocab_size
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model
-from specboost.speculator.loading import LoadError, load_causal_lm, load_tokenizer
+from specboost.speculator.length_control import CONTROLLERS
+from specboost.speculator.loading import LoadError, load_causal_lm, load_tokenizer, resolve_device
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sampling import SamplingConfig
 from specboost.speculator.sequoia_acceptance import AcceptanceVector, load_acceptance_file
+from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "specboost_pool.json"
 FORMAT_VERSION = 1  # bump when the manifest changes incompatibly
+SHAPE_KINDS: dict[str, type[DraftShape]] = {"chain": ChainShape, "beam": BeamShape, "topology": TopologyShape}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PoolDefaults:
+    """The decoding choices a pool recommends: its manifest's "decoding" block, the defaults of
+    `SpeculativeDecoder.from_pretrained` and `specboost generate --pool`. A manifest without the
+    block (exported before it existed) gives the decoder's own defaults.
+
+    There is no verification rule among them: a decoder's rule is fixed when it is built, a
+    sampling rule refuses greedy calls and "greedy" refuses sampled ones, so the rule is left to
+    each call (rule=None picks it from do_sample and the tree kind). Which strategy takes which
+    shape is `strategies.check_inputs`'s to say; that module imports this one, so the export and
+    the decoder run it, not this class."""
+
+    strategy: str = "pool"
+    shape: DraftShape | None = None  # None: a chain of 4 (the decoder's default); "sequoia": its own tree
+    length_controller: str | None = None  # "minions" | "bass" | None: a fixed length
+
+    def __post_init__(self) -> None:
+        if self.shape is None and self.strategy != "sequoia":  # written out, so that the manifest says it
+            object.__setattr__(self, "shape", ChainShape())
+        check_shape(self.shape)
+        controller = self.length_controller
+        if controller is not None and controller not in CONTROLLERS:
+            raise ValueError(
+                f"length_controller must be one of {sorted(CONTROLLERS)} or None, got {controller!r}"
+            )
+        if controller is not None and not isinstance(self.shape, ChainShape):
+            raise ValueError(f"a length controller sets chain lengths; use a chain shape, not {self.shape!r}")
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> PoolDefaults:
+        """The manifest's "decoding" block; keys it does not know are ignored (a newer specboost
+        may recommend more; `read_manifest` warns about them)."""
+        block = manifest.get("decoding")
+        if block is None:
+            return cls()
+        shape = block.get("shape")
+        return cls(
+            block.get("strategy", "pool"),
+            None if shape is None else _shape_from_json(shape),
+            block.get("length_controller"),
+        )
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The "decoding" block `from_manifest` reads, e.g. {"strategy": "pool", "shape":
+        {"kind": "chain", "length": 4, "samples": 1}, "length_controller": null}."""
+        shape = None
+        if self.shape is not None:
+            kind = next(name for name, cls in SHAPE_KINDS.items() if isinstance(self.shape, cls))
+            shape = {"kind": kind, **asdict(self.shape)}
+        return {"strategy": self.strategy, "shape": shape, "length_controller": self.length_controller}
+
+    def decoder_options(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """`SpeculativeDecoder`'s keywords: `overrides` over these defaults. An explicit strategy=
+        or speculator= replaces all of them: the shape and length controller were chosen for this
+        strategy, and another may refuse them."""
+        if "strategy" in overrides or "speculator" in overrides:
+            return dict(overrides)
+        chosen = {"strategy": self.strategy, "shape": self.shape, "length_controller": self.length_controller}
+        return chosen | dict(overrides)
 
 
 def tokenizer_vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -64,20 +133,73 @@ def _local_folder(location: str | Path) -> Path:
         ) from error
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
+def _shape_from_json(entry: Mapping[str, Any]) -> DraftShape:
+    """{"kind": "chain", "length": 4, "samples": 1} -> ChainShape(4); lists become tuples (parents)."""
+    kind = SHAPE_KINDS.get(entry.get("kind"))
+    if kind is None:
+        raise ValueError(f"shape kind must be one of {sorted(SHAPE_KINDS)}, got {entry.get('kind')!r}")
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items() if k != "kind"}
+    names = {f.name for f in fields(kind)}
+    if not set(params) <= names:
+        raise ValueError(f"a {entry['kind']} shape takes {sorted(names)}, got {sorted(params)}")
+    return kind(**params)
+
+
+def _not_a_pool(folder: Path) -> str:
+    """What a folder without a manifest is instead, and what to do."""
+    if (folder / "config.json").is_file():
+        return "it holds one model: pass model folders as SSMs (`--ssm` on the command line)"
+    if any(folder.glob("*/config.json")):
+        return (
+            "it holds model folders, e.g. a boost run: export it first with "
+            f"`python -m specboost.training.export --boost {folder} --out OUT`"
+        )
+    return "export one with `python -m specboost.training.export --boost BOOST_DIR --out OUT`"
+
+
+def _repair_hint(location: str | Path, folder: Path) -> str:
+    """How to get a damaged pool whole again: download a hub pool again, export a local one again."""
+    if folder != Path(str(location)).expanduser():  # a hub snapshot
+        return f"download it again (`hf download {location} --force-download`)"
+    return (
+        f"export it again (`python -m specboost.training.export --boost BOOST_DIR --out {folder}`) "
+        "or download it again"
+    )
+
+
+def _read_part(path: Path, hint: str, load: Callable[[], T]) -> T:
+    """`load()`, with a file of the pool that cannot be read reported as a LoadError naming it
+    (a LoadError of the loading helpers names it already) and how to repair the pool."""
+    try:
+        return load()
+    except (OSError, ValueError, SafetensorError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        what = first_line if isinstance(error, LoadError) else f"{path} cannot be read ({first_line})"
+        raise LoadError(f"the SSM pool is damaged: {what}. Repair the pool: {hint}") from None
+
+
+def read_manifest(folder: Path, hint: str = "export or download it again") -> dict[str, Any]:
+    """The manifest, its format version and decoding block checked (`hint`: how to repair the pool)."""
     path = folder / MANIFEST_FILE
     if not path.is_file():
         raise FileNotFoundError(
-            f"{folder} is not an exported SSM pool ({MANIFEST_FILE} is missing); "
-            "export one with `python -m specboost.training.export --boost BOOST_DIR --out OUT`"
+            f"{folder} is not an exported SSM pool ({MANIFEST_FILE} is missing); {_not_a_pool(folder)}"
         )
-    manifest = json.loads(path.read_text())
+    manifest = _read_part(path, hint, lambda: json.loads(path.read_text()))
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
             f"{path} has format_version {version!r}; this specboost reads version {FORMAT_VERSION}: "
             "re-export the pool or upgrade specboost"
         )
+    try:
+        defaults = PoolDefaults.from_manifest(manifest)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f'{path}: the "decoding" block is invalid ({error}). Repair the pool: {hint}'
+        ) from None
+    if unknown := sorted(set(manifest.get("decoding") or {}) - set(defaults.to_manifest())):
+        logger.warning("%s: ignoring the decoding choices %s (unknown to this specboost)", path, unknown)
     return manifest
 
 
@@ -106,6 +228,11 @@ class SSMPool:
         return len(self.models)
 
     @property
+    def defaults(self) -> PoolDefaults:
+        """The decoding choices the manifest recommends (the decoder's defaults if it has none)."""
+        return PoolDefaults.from_manifest(self.manifest)
+
+    @property
     def target_temperature(self) -> float | None:
         """The temperature the SSMs were fitted to the LLM's distributions at (the manifest's
         `target_temperature`, ALGORITHMS.md section 15); None for a pool trained on greedy text."""
@@ -122,27 +249,33 @@ class SSMPool:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> SSMPool:
-        """Load the manifest and every SSM of an exported pool (local folder or hub id)."""
+        """Load the manifest and every SSM of an exported pool (local folder or hub id). A file of
+        the pool that is missing, truncated or corrupt raises a LoadError that names it and says
+        how to repair the pool (export or download it again)."""
+        target = None if device is None else resolve_device(device)  # a bad device is no damaged pool
         folder = _local_folder(folder_or_repo_id)
-        manifest = read_manifest(folder)
+        hint = _repair_hint(folder_or_repo_id, folder)
+        manifest = read_manifest(folder, hint)
         models = []
         for entry in manifest["ssms"]:
             ssm_dir = folder / entry["path"]
             if not (ssm_dir / "config.json").is_file():
                 raise FileNotFoundError(
                     f"the pool {folder} lists SSM {entry['path']!r} but {ssm_dir} holds no model "
-                    "(config.json is missing); re-export or re-download the pool"
+                    f"(config.json is missing). Repair the pool: {hint}"
                 )
-            models.append(load_causal_lm(ssm_dir, dtype, device))
+            models.append(_read_part(ssm_dir, hint, lambda d=ssm_dir: load_causal_lm(d, dtype, target)))
         first = folder / manifest["ssms"][0]["path"] if manifest["ssms"] else None
-        tokenizer = load_tokenizer(first) if first is not None else None
+        tokenizer = _read_part(first, hint, lambda: load_tokenizer(first)) if first is not None else None
         weights = [float(w) for w in manifest.get("weights") or [1.0 / len(models)] * len(models)]
         predictor = None
         if manifest.get("predictor"):
-            predictor = MatchLengthPredictor.from_pretrained(folder / manifest["predictor"]["path"])
+            path = folder / manifest["predictor"]["path"]
+            predictor = _read_part(path, hint, lambda: MatchLengthPredictor.from_pretrained(path))
         acceptance = None
         if manifest.get("sequoia_acceptance"):
-            acceptance = load_acceptance_file(folder / manifest["sequoia_acceptance"]["path"])
+            path = folder / manifest["sequoia_acceptance"]["path"]
+            acceptance = _read_part(path, hint, lambda: load_acceptance_file(path))
         return cls(models, tokenizer, manifest, weights, predictor, folder, acceptance)
 
     def cost_model(
@@ -169,9 +302,10 @@ class SSMPool:
             actual_hash = tokenizer_vocab_hash(tokenizer)
             if actual_hash != expected["tokenizer_vocab_hash"]:
                 raise ValueError(
-                    f"tokenizer mismatch: the SSM pool was trained for the tokenizer of the LLM {name} "
-                    f"(vocab hash {expected['tokenizer_vocab_hash']}) but the given tokenizer of "
-                    f"{model_name(llm)} has vocab hash {actual_hash}; use the LLM's own tokenizer"
+                    f"tokenizer mismatch: the SSM pool was exported for the tokenizer of the LLM {name} "
+                    f"(vocab hash {expected['tokenizer_vocab_hash']}) but the tokenizer given with "
+                    f"{model_name(llm)} has vocab hash {actual_hash}; use the pool with the LLM and "
+                    "tokenizer it was trained for, or train and export a pool for this one"
                 )
 
 

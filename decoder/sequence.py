@@ -7,12 +7,14 @@ and random stream. The LLM cache and the SSM caches of the batch live in `Sequen
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from specboost.decoder.generation_options import GenerationSettings, resolve
 from specboost.decoder.pool import TemperatureNotice
@@ -42,6 +44,32 @@ class DecoderParts(Protocol):
     temperature_notice: TemperatureNotice  # warns when sampling away from the pool's temperature
 
 
+class TokenStream:
+    """Feeds a transformers streamer (`BaseStreamer`: `put(tensor)`, `end()`, e.g. `TextStreamer`,
+    `TextIteratorStreamer`) as `model.generate` feeds it with an assistant model: the prompt
+    first ([1, L] on the CPU, put when the stream is made), then the tokens each verification
+    step keeps ([1, n]: accepted drafts and the LLM's own token, cut by the stopping criteria),
+    then `end()` once. `end` may come from another thread than `put` (the engine's workers put,
+    a client cancels), so both hold a lock, a second `end` does nothing and nothing is put after it."""
+
+    def __init__(self, streamer: BaseStreamer, prompt: list[int]) -> None:
+        self.streamer = streamer
+        self.ended = False
+        self._lock = threading.Lock()
+        self.put(prompt)
+
+    def put(self, tokens: list[int]) -> None:
+        with self._lock:
+            if not self.ended:
+                self.streamer.put(torch.tensor([tokens], dtype=torch.long))
+
+    def end(self) -> None:
+        with self._lock:
+            if not self.ended:
+                self.ended = True
+                self.streamer.end()
+
+
 @dataclass
 class SequenceState:
     tokens: list[int]  # prompt + verified tokens; the last one is the root of the next tree
@@ -59,6 +87,7 @@ class SequenceState:
     finished: float | None = None  # when its last token was emitted
     timer_mark: int = 0  # the group timer's mark when the row joined (its phases are those since)
     settings: GenerationSettings | None = None  # the resolved generation options
+    stream: TokenStream | None = None  # where the kept tokens go as they are verified
 
     @property
     def finish_reason(self) -> str | None:
@@ -92,9 +121,11 @@ def new_sequence(
     options: dict[str, Any],
     seed: int | None,
     tag: Any = None,
+    streamer: BaseStreamer | None = None,
 ) -> SequenceState:
     """One sequence to decode: its prompt (padding dropped, checked against the LLM's context), its
-    options resolved as `generate` resolves them, its verification rule and random stream."""
+    options resolved as `generate` resolves them, its verification rule and random stream; with a
+    `streamer`, its `TokenStream`, which puts the prompt once everything else checked out."""
     prompt = prompt_tokens(input_ids, attention_mask, decoder.max_positions)
     ids = torch.tensor([prompt], dtype=torch.long, device=decoder.llm.device)
     settings = resolve(decoder.llm, generation_config, options, ids)
@@ -109,6 +140,16 @@ def new_sequence(
         tuple(prompt),
     )
     generator = None if seed is None else torch.Generator(decoder.llm.device).manual_seed(seed)
+    stream = None if streamer is None else TokenStream(streamer, prompt)
     return SequenceState(
-        prompt, len(prompt), stop, settings.probs, rule, generator, seed, tag, settings=settings
+        prompt,
+        len(prompt),
+        stop,
+        settings.probs,
+        rule,
+        generator,
+        seed,
+        tag,
+        settings=settings,
+        stream=stream,
     )

@@ -16,6 +16,9 @@
   `StrategyOptions.nodes`, else the hardware-aware choice with the cost model (the argument or
   the pool's hardware profile for this device). The SSM is `StrategyOptions.ssm`, else the one
   whose tree promises the most (`SequoiaSpeculator.predicted_gain`).
+- "plain": speculation off: no SSMs, nothing drafted, one LLM token per step through the same
+  decode loop, batches and serving engine (`speculator/no_draft.py`); the baseline the others
+  are measured against. Every other strategy needs at least one SSM.
 
 `length_controller` ("minions", "bass" or a configured `LengthController`) picks the chain
 length of "pool", "majority" and "pruned" before every step (section 7); the chain then starts at
@@ -35,6 +38,7 @@ from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.cost_model import CostModel, device_key
 from specboost.speculator.length_control import LengthController, make_length_controller
 from specboost.speculator.majority import MajorityConfig, MajoritySpeculator, PrunedPoolSpeculator
+from specboost.speculator.no_draft import NoDraftSpeculator
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.sequoia import SequoiaSpeculator
@@ -97,7 +101,22 @@ def make_speculator(
     if strategy not in BUILDERS:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     check_inputs(strategy, inputs)
+    check_ssms(strategy, ssms)
     return BUILDERS[strategy](llm, ssms, pool, inputs)
+
+
+def check_ssms(strategy: str, ssms: list[PreTrainedModel]) -> None:
+    """Refuse SSMs for "plain" (they would never run), and no SSMs for every other strategy."""
+    if strategy == "plain" and ssms:
+        raise ValueError(
+            f"strategy='plain' drafts nothing, so its {len(ssms)} SSM(s) would never run: pass ssms=[] "
+            "(or pick a speculative strategy)"
+        )
+    if strategy != "plain" and not ssms:
+        raise ValueError(
+            f"strategy={strategy!r} needs at least one SSM to draft with; use strategy='plain' to "
+            "decode without speculation"
+        )
 
 
 def check_inputs(strategy: str, inputs: StrategyInputs) -> None:
@@ -123,6 +142,8 @@ def check_inputs(strategy: str, inputs: StrategyInputs) -> None:
             "strategy='majority' votes on one argmax chain per SSM, so ChainShape(samples=...) does not "
             f"apply: use shape=ChainShape({inputs.shape.length})"
         )
+    if strategy == "plain" and inputs.shape is not None:
+        raise ValueError("strategy='plain' drafts nothing: drop shape=")
     if strategy == "sequoia" and inputs.shape is not None:
         raise ValueError(
             "strategy='sequoia' drafts its own DP-optimal tree: drop shape= (its size and depth are "
@@ -214,6 +235,12 @@ def _sequoia(
     return max(speculators, key=lambda s: s.predicted_gain)
 
 
+def _plain(
+    llm: PreTrainedModel, ssms: list[PreTrainedModel], pool: SSMPool | None, inputs: StrategyInputs
+) -> Speculator:
+    return NoDraftSpeculator()
+
+
 def _acceptance_vectors(
     o: StrategyOptions, pool: SSMPool | None, num_ssms: int
 ) -> dict[int, AcceptanceVector]:
@@ -241,5 +268,6 @@ BUILDERS: dict[str, Builder] = {
     "majority": _majority,
     "pruned": _pruned,
     "sequoia": _sequoia,
+    "plain": _plain,
 }
 STRATEGIES = tuple(BUILDERS)

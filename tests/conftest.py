@@ -33,7 +33,9 @@ def _seed_everything() -> None:
     torch.manual_seed(0)
 
 
-def tiny_llama(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None = None) -> PreTrainedModel:
+def tiny_llama(
+    layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | None = None, positions: int = 256
+) -> PreTrainedModel:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -42,7 +44,7 @@ def tiny_llama(layers: int = 2, seed: int = 0, vocab: int = VOCAB, eos: int | No
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=positions,
         bos_token_id=0,
         eos_token_id=eos,
         pad_token_id=None,

@@ -1,10 +1,12 @@
 """Bad input at the boundaries ends in one clear line (exit 2 from the command line) that says
 what to do, never in a traceback: devices, missing, bare-named or truncated checkpoints, argument
-types, shapes that draft nothing, malformed prompt files."""
+types, shapes that draft nothing, malformed prompt files, and exported pools that are damaged,
+for another tokenizer or no pool at all."""
 
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 from pathlib import Path
 
@@ -12,12 +14,15 @@ import huggingface_hub
 import pytest
 import torch
 from conftest import tiny_llama
+from test_export_pool import make_boost
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, SSMPool, TopologyShape
 from specboost.decoder.bench.workloads import read_prompt_file
 from specboost.decoder.cli import main
+from specboost.decoder.pool import MANIFEST_FILE
 from specboost.decoder.tiny_models import build_tiny_models
 from specboost.speculator.loading import LoadError, load_causal_lm, resolve_device
+from specboost.training import export
 
 
 @functools.cache
@@ -28,6 +33,43 @@ def _models(root: str) -> tuple[Path, list[Path]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     return _models(str(tmp_path_factory.mktemp("edges") / "models"))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory, models: tuple[Path, list[Path]]) -> Path:
+    """An exported pool of the tiny SSMs, read-only for the tests that share it."""
+    root = tmp_path_factory.mktemp("edges-pool")
+    export.export_pool(make_boost(root, models), root / "pool")
+    return root / "pool"
+
+
+def copy_of(pool: Path, tmp_path: Path) -> Path:
+    shutil.copytree(pool, tmp_path / "pool")
+    return tmp_path / "pool"
+
+
+def generate_with_pool(models: tuple[Path, list[Path]], pool: Path, *extra: str) -> list[str]:
+    llm, _ = models
+    return [
+        "generate",
+        "--llm",
+        str(llm),
+        "--pool",
+        str(pool),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "3",
+        *extra,
+    ]
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    """The command's error line (stderr may hold loading progress too), and no traceback."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("specboost generate: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
 
 
 def generate(models: tuple[Path, list[Path]], *extra: str) -> list[str]:
@@ -50,14 +92,18 @@ def generate(models: tuple[Path, list[Path]], *extra: str) -> list[str]:
     ("device", "message"),
     [
         ("foo", "unknown device 'foo': use cpu, cuda, cuda:N or mps"),
-        ("tpu", "unknown device 'tpu'"),
+        ("tpu", "unknown device 'tpu'"),  # torch has no such device type: TPUs are its "xla"
+        ("xla", "device 'xla' is not supported"),  # a type torch knows, unusable here
         ("meta", "device 'meta' is not supported"),
     ],
 )
-def test_unusable_devices_are_one_line_errors(models, device: str, message: str, capsys) -> None:
+def test_unusable_devices_are_one_line_errors(models, pool, device: str, message: str, capsys) -> None:
     assert main(generate(models, "--device", device)) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in one_line_error(capsys)
+    assert main(generate_with_pool(models, pool, "--device", device)) == 2  # before the pool loads
+    assert message in one_line_error(capsys)
+    with pytest.raises(LoadError, match=message):
+        SpeculativeDecoder.from_pretrained(models[0], pool, device=device)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -132,3 +178,51 @@ def test_a_malformed_prompt_line_names_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=rf"{path}:2: a JSONL prompt must be an object"):
         read_prompt_file(path)
+
+
+def test_a_truncated_checkpoint_in_a_pool_names_the_file_and_the_repair(
+    models, pool: Path, tmp_path: Path, capsys
+) -> None:
+    broken = copy_of(pool, tmp_path)
+    weights = broken / "ssm-1" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(generate_with_pool(models, broken)) == 2
+    err = one_line_error(capsys)
+    assert f"the SSM pool is damaged: the model at {broken / 'ssm-1'} could not be read" in err
+    assert "model.safetensors may be truncated or corrupt" in err
+    repair = "Repair the pool: export it again (`python -m specboost.training.export --boost BOOST_DIR"
+    assert f"{repair} --out {broken}`)" in err
+    (broken / MANIFEST_FILE).write_text('{"format_version": 1, "ssms": [')  # cut short
+    with pytest.raises(LoadError, match=rf"{MANIFEST_FILE} cannot be read \(Expecting value"):
+        SSMPool.from_pretrained(broken)
+
+
+def test_a_pool_for_another_tokenizer_is_refused_through_the_command(
+    models, pool: Path, tmp_path: Path, capsys
+) -> None:
+    other = copy_of(pool, tmp_path)
+    manifest = json.loads((other / MANIFEST_FILE).read_text())
+    manifest["llm"]["tokenizer_vocab_hash"] = "sha256:" + "0" * 64  # exported for another tokenizer
+    (other / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert main(generate_with_pool(models, other)) == 2
+    err = one_line_error(capsys)
+    assert "tokenizer mismatch: the SSM pool was exported for the tokenizer of the LLM" in err
+    assert "use the pool with the LLM and tokenizer it was trained for" in err
+
+
+def test_pool_that_is_no_pool_and_pool_with_ssm(models, pool: Path, capsys) -> None:
+    llm, ssms = models
+    assert main(generate_with_pool(models, llm)) == 2
+    assert f"{llm} is not an exported SSM pool" in (err := one_line_error(capsys))
+    assert "it holds one model: pass model folders as SSMs (`--ssm`" in err
+    assert main(generate_with_pool(models, llm.parent)) == 2  # model folders, like a boost run
+    assert (
+        f"export it first with `python -m specboost.training.export --boost {llm.parent}"
+        in one_line_error(capsys)
+    )
+    with pytest.raises(SystemExit) as exit_code:
+        main(generate_with_pool(models, pool, "--ssm", str(ssms[0])))
+    assert exit_code.value.code == 2
+    assert "argument --ssm: not allowed with argument --pool" in capsys.readouterr().err
+    assert main(["generate", "--llm", str(llm), "--prompt", "hi"]) == 2
+    assert "give the SSMs: --ssm PATH [PATH ...] or --pool DIR|ID" in capsys.readouterr().err

@@ -1,12 +1,14 @@
 """The serving engine returns every request exactly once, with the LLM's own greedy output, under
 concurrent submission, cancellation, worker errors and a full result pool; nothing hangs (every
-wait has a timeout; ALGORITHMS.md sections 10 and 11)."""
+wait has a timeout; ALGORITHMS.md sections 10 and 11). A bounded queue refuses requests beyond
+`max_queue`; the live metrics (queue depth, active rows, running totals) add up."""
 
 from __future__ import annotations
 
 import copy
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 
 import pytest
@@ -16,7 +18,8 @@ from test_batched import prompts
 from test_greedy_equivalence import _noisy, llm_for, reference
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder
-from specboost.decoder.engine import Engine, EngineConfig, Request, RequestHandle
+from specboost.decoder.engine import Engine, EngineConfig, QueueFull, Request, RequestHandle
+from specboost.decoder.stats import merged_stats
 
 TIMEOUT = 60.0  # seconds; a deadlock fails the test instead of hanging it
 MAX_NEW = 12
@@ -137,6 +140,18 @@ def test_close_with_cancel_resolves_everything() -> None:
     assert all(handle.done() for handle in handles)
 
 
+def break_engine_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the engine's own loop (not a group's round) raise `Boom` once a group is drafted."""
+    take = Engine._take_pooled
+
+    def broken(self: Engine) -> object:
+        if take(self) is not None:
+            raise Boom("engine bug")
+        return None
+
+    monkeypatch.setattr(Engine, "_take_pooled", broken)
+
+
 class Boom(RuntimeError):
     pass
 
@@ -174,14 +189,7 @@ def test_worker_error_fails_the_affected_requests(pipeline: bool, side: str, cou
 def test_an_engine_error_fails_every_open_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error in the engine's own loop (outside a group's rounds) fails every open request,
     queued or running, and the engine refuses new ones."""
-    take = Engine._take_pooled
-
-    def broken(self: Engine) -> object:
-        if take(self) is not None:
-            raise Boom("engine bug")
-        return None
-
-    monkeypatch.setattr(Engine, "_take_pooled", broken)
+    break_engine_loop(monkeypatch)
     engine = Engine(decoder(), EngineConfig(batch_size=1, num_groups=2))
     handles = [engine.submit(row, max_new_tokens=MAX_NEW) for row in prompts(8, LENGTHS[:4])]
     for handle in handles:
@@ -227,3 +235,88 @@ def test_sampling_requests_and_bad_settings() -> None:
         greedy = engine.submit([3, 4, 5], max_new_tokens=7)
         assert all(h.result(TIMEOUT).stats.new_tokens == 7 for h in handles)
         assert greedy.result(TIMEOUT).new_tokens == expected([3, 4, 5], 7)
+
+
+# Admission limits and live metrics ---------------------------------------------------------------
+LONG = 230  # new tokens no request here is left to finish (the model's context is 256)
+
+
+def slowed(seconds: float = 0.005) -> tuple[SpeculativeDecoder, object]:
+    """`fresh_decoder()` with an LLM that sleeps in every pass, and the hook's handle."""
+    dec = fresh_decoder()
+    return dec, dec.llm.register_forward_hook(lambda *_: time.sleep(seconds))
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_queue_full_refuses_beyond_max_queue() -> None:
+    """With `max_queue` requests waiting, `submit` raises `QueueFull` naming the limit; running
+    requests do not count, and a cancelled one stops counting."""
+    dec, hook = slowed()
+    try:
+        with Engine(dec, EngineConfig(batch_size=1, num_groups=1, max_queue=2)) as engine:
+            running = engine.submit([1, 2, 3], max_new_tokens=LONG)
+            wait_for(lambda: engine.active_rows == 1)
+            waiting = [engine.submit([4 + i], max_new_tokens=4) for i in range(2)]
+            assert engine.queue_depth == 2
+            with pytest.raises(QueueFull, match=r"2 requests are already waiting.*max_queue=2"):
+                engine.submit([9], max_new_tokens=4)
+            assert waiting[0].cancel() and engine.queue_depth == 1
+            extra = engine.submit([9], max_new_tokens=4)  # the cancelled request's place
+            assert engine.queue_depth == 2
+            assert running.cancel()
+            results = [handle.result(TIMEOUT) for handle in (waiting[1], extra)]
+    finally:
+        hook.remove()
+    assert [r.new_tokens for r in results] == [expected([5], 4), expected([9], 4)]
+    assert isinstance(QueueFull("x"), RuntimeError)
+    with pytest.raises(ValueError, match="max_queue must be >= 1"):
+        EngineConfig(max_queue=0)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_a_cancelled_row_leaves_its_group_for_the_next_request(pipeline: bool) -> None:
+    """A request cancelled mid-generation frees its row at the group's next round: the queued
+    request decodes in it while the other long request, started at the same time, still runs."""
+    dec, hook = slowed()
+    try:
+        with Engine(dec, EngineConfig(batch_size=2, num_groups=1, pipeline=pipeline)) as engine:
+            long = [engine.submit([1, 2, 3 + i], max_new_tokens=LONG) for i in range(2)]
+            queued = engine.submit([7, 8], max_new_tokens=6)
+            wait_for(lambda: engine.active_rows == 2 and engine.stats.llm_steps >= 1)
+            assert engine.queue_depth == 1
+            assert long[0].cancel()
+            result = queued.result(TIMEOUT)
+            # Chains of 3 give at most 4 tokens a pass: long[0] could not have finished yet.
+            assert engine.stats.llm_steps < LONG // 4
+            assert not long[1].done() and engine.queue_depth == 0
+            wait_for(lambda: engine.active_rows == 1)  # long[1] alone
+            long[1].cancel()
+            wait_for(lambda: engine.active_rows == 0)
+    finally:
+        hook.remove()
+    assert result.new_tokens == expected([7, 8], 6)
+    assert engine.stats.cancelled == 2 and engine.stats.completed == 1
+
+
+def test_stats_totals_equal_the_sum_of_the_results() -> None:
+    rows = prompts(10, LENGTHS)
+    with Engine(decoder(shape=ChainShape(3)), EngineConfig(batch_size=3, num_groups=2)) as engine:
+        results = engine.run(rows, timeout=TIMEOUT, max_new_tokens=MAX_NEW)
+        assert engine.submit(rows[0], max_new_tokens=LONG).cancel()
+    total = merged_stats([result.stats for result in results])
+    stats = engine.stats
+    assert stats.completed == len(rows) and stats.cancelled == 1 and stats.failed == 0
+    assert stats.new_tokens == total.new_tokens == MAX_NEW * len(rows)
+    assert (stats.draft_tokens, stats.accepted_tokens) == (total.draft_tokens, total.accepted_tokens)
+    assert stats.sequence_steps == total.llm_steps > stats.llm_steps  # passes verify several rows
+    assert stats.proposed_per_ssm == dict(total.proposed_per_ssm) and set(stats.proposed_per_ssm) == {0, 1}
+    assert stats.accepted_per_ssm == dict(total.accepted_per_ssm)
+    stats.proposed_per_ssm[0] += 1  # a snapshot: the engine's own totals stay
+    assert engine.stats.proposed_per_ssm == dict(total.proposed_per_ssm)
+    assert engine.queue_depth == 0 and engine.active_rows == 0

@@ -14,9 +14,17 @@ import torch
 from conftest import noisy_copy, tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specboost.decoder import ChainShape, SpeculativeDecoder, SSMPool, StrategyOptions
+from specboost.decoder import (
+    BeamShape,
+    ChainShape,
+    SpeculativeDecoder,
+    SSMPool,
+    StrategyOptions,
+    TopologyShape,
+)
 from specboost.decoder import pool as pool_module
-from specboost.decoder.pool import MANIFEST_FILE, tokenizer_vocab_hash
+from specboost.decoder.cli import main as cli_main
+from specboost.decoder.pool import MANIFEST_FILE, PoolDefaults, tokenizer_vocab_hash
 from specboost.decoder.tiny_models import build_tiny_models, build_tokenizer
 from specboost.speculator.loading import LoadError
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
@@ -89,9 +97,10 @@ def test_export_writes_models_cards_and_readme(exported: tuple[Path, Path]) -> N
         assert f"Boost round: {i + 1} of 2" in card
         assert "`tinystories_openings`" in card and str(exported[0].parent / "llm") not in card
         assert "assistant_model=assistant" in card and f'subfolder="ssm-{i}"' in card
-        assert "SSMPool.from_pretrained" in card
+        assert f'SpeculativeDecoder.from_pretrained(llm, "{out}", tokenizer)' in card
+        assert "strategy `pool`, shape `ChainShape(length=4)`, length controller none" in card
     readme = (out / "README.md").read_text()
-    assert "0.812" in readme and "| `ssm-1` | 2 |" in readme
+    assert "0.812" in readme and "| `ssm-1` | 2 |" in readme and "decoding" in readme
 
 
 def test_manifest_fields(exported: tuple[Path, Path], tiny: tuple[Path, list[Path]]) -> None:
@@ -109,6 +118,11 @@ def test_manifest_fields(exported: tuple[Path, Path], tiny: tuple[Path, list[Pat
     assert manifest["weights"] == [0.5, 0.5]
     assert manifest["predictor"] is None and manifest["hardware_profile"] is None
     assert manifest["base"] == BASE and manifest["marking"] == "sample"
+    assert manifest["decoding"] == {  # unset: the decoder's own defaults
+        "strategy": "pool",
+        "shape": {"kind": "chain", "length": 4, "samples": 1},
+        "length_controller": None,
+    }
 
 
 def test_predictor_and_hardware_profile_are_carried(tmp_path: Path, tiny: tuple[Path, list[Path]]) -> None:
@@ -259,6 +273,133 @@ def test_pool_from_hub_id_uses_snapshot(exported: tuple[Path, Path], monkeypatch
     assert len(SSMPool.from_pretrained("org/pool")) == 2 and asked == ["org/pool"]
 
 
+# ---------------------------------------------------------------- decoding defaults
+
+
+def test_from_pretrained_decodes_as_llm_generate(
+    exported: tuple[Path, Path], tiny: tuple[Path, list[Path]]
+) -> None:
+    """LLM and pool by folder: the LLM folder's tokenizer, the manifest's defaults (a chain of 4)."""
+    llm_dir, _ = tiny
+    decoder = SpeculativeDecoder.from_pretrained(llm_dir, exported[1])
+    assert decoder.speculator.shape == ChainShape(4) and decoder.tokenizer.name_or_path == str(llm_dir)
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    ids = torch.randint(4, 260, (1, 10))
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    result = decoder.generate(ids, max_new_tokens=20)
+    assert torch.equal(result.sequences, expected) and result.stats.accepted_tokens > 0
+
+
+def test_manifest_defaults_and_overrides(tmp_path: Path, tiny: tuple[Path, list[Path]]) -> None:
+    boost, out = make_boost(tmp_path, tiny), tmp_path / "out"
+    argv = ["--boost", str(boost), "--out", str(out), "--strategy", "majority", "--chain-length", "3"]
+    assert export.main([*argv, "--length-controller", "bass"]) == 0
+    assert read(out / MANIFEST_FILE)["decoding"] == {
+        "strategy": "majority",
+        "shape": {"kind": "chain", "length": 3, "samples": 1},
+        "length_controller": "bass",
+    }
+    assert (
+        "strategy `majority`, shape `ChainShape(length=3)`, length controller bass"
+        in (out / "README.md").read_text()
+    )
+    llm = AutoModelForCausalLM.from_pretrained(tiny[0]).eval()
+    pool = SSMPool.from_pretrained(out)
+    assert pool.defaults == PoolDefaults("majority", ChainShape(3), "bass")
+    ids = torch.randint(4, 260, (1, 8))
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    report = SpeculativeDecoder.from_pretrained(llm, pool).generate(ids, max_new_tokens=12).stats.strategy
+    assert report["strategy"] == "majority" and report["length_controller"]["name"] == "bass"
+    # A keyword given overrides its default only; strategy= replaces them all.
+    decoder = SpeculativeDecoder.from_pretrained(llm, pool, length_controller=None)
+    assert (
+        decoder.speculator.report()["strategy"] == "majority" and decoder.speculator.length_controller is None
+    )
+    decoder = SpeculativeDecoder.from_pretrained(llm, pool, strategy="pool")
+    assert decoder.speculator.report() == {"strategy": "pool", "shape": "ChainShape(length=4)"}
+    assert torch.equal(decoder.generate(ids, max_new_tokens=12).sequences, expected)
+
+
+def test_generate_with_pool_takes_the_manifest_defaults(
+    tmp_path: Path, tiny: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    boost, out = make_boost(tmp_path, tiny), tmp_path / "out"
+    export.export_pool(boost, out, defaults=PoolDefaults(shape=BeamShape(2, 3)))
+    argv = ["generate", "--llm", str(tiny[0]), "--pool", str(out), "--prompt", "Once", "--json"]
+    assert cli_main([*argv, "--max-new-tokens", "6"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stats"]["strategy"]["shape"] == "BeamShape(width=2, depth=3)"
+    assert cli_main([*argv, "--max-new-tokens", "6", "--depth", "2"]) == 0  # the pool's width kept
+    assert json.loads(capsys.readouterr().out)["stats"]["strategy"]["shape"] == "BeamShape(width=2, depth=2)"
+    tokenizer = AutoTokenizer.from_pretrained(tiny[0])
+    llm = AutoModelForCausalLM.from_pretrained(tiny[0]).eval()
+    ids = tokenizer("Once", return_tensors="pt").input_ids
+    expected = tokenizer.decode(llm.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :])
+    assert result["text"] == expected
+
+
+def test_a_manifest_without_decoding_loads_with_the_decoder_defaults(
+    tmp_path: Path, exported: tuple[Path, Path], tiny: tuple[Path, list[Path]]
+) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(exported[1], old)
+    manifest = read(old / MANIFEST_FILE)
+    del manifest["decoding"]
+    (old / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert SSMPool.from_pretrained(old).defaults == PoolDefaults() == PoolDefaults("pool", ChainShape(4))
+    decoder = SpeculativeDecoder.from_pretrained(tiny[0], old)
+    assert decoder.speculator.report() == {"strategy": "pool", "shape": "ChainShape(length=4)"}
+
+
+def test_decoding_block_round_trip_and_refusals(
+    tmp_path: Path, exported: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    for defaults in (
+        PoolDefaults("pruned", BeamShape(3, 2)),
+        PoolDefaults("pool", TopologyShape((-1, 0, 0, 1))),
+        PoolDefaults("sequoia"),
+    ):
+        block = json.loads(json.dumps(defaults.to_manifest()))
+        assert PoolDefaults.from_manifest({"decoding": block}) == defaults
+    assert PoolDefaults("sequoia").to_manifest()["shape"] is None
+    with pytest.raises(ValueError, match="a length controller sets chain lengths"):
+        PoolDefaults(shape=BeamShape(2, 2), length_controller="bass")
+    broken = tmp_path / "broken"
+    shutil.copytree(exported[1], broken)
+    manifest = read(broken / MANIFEST_FILE)
+    for bad, message in [
+        ({"kind": "star"}, "shape kind must be one of"),
+        ({"kind": "chain", "len": 3}, "a chain shape takes"),
+    ]:
+        (broken / MANIFEST_FILE).write_text(json.dumps({**manifest, "decoding": {"shape": bad}}))
+        with pytest.raises(
+            ValueError, match=rf'{MANIFEST_FILE}: the "decoding" block is invalid \({message}'
+        ):
+            SSMPool.from_pretrained(broken)
+    (broken / MANIFEST_FILE).write_text(json.dumps({**manifest, "decoding": {"rule": "mss"}}))
+    with caplog.at_level(logging.WARNING, logger="specboost.decoder.pool"):
+        assert SSMPool.from_pretrained(broken).defaults == PoolDefaults()
+    assert "ignoring the decoding choices ['rule']" in caplog.text
+
+
+def test_export_refuses_defaults_the_pool_cannot_decode(
+    tmp_path: Path, tiny: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    boost, out = make_boost(tmp_path, tiny), tmp_path / "out"
+    with pytest.raises(ValueError, match="--strategy learned needs the learned scheduler's") as error:
+        export.export_pool(boost, out, defaults=PoolDefaults("learned"))
+    assert f"`make predictor-data predictor SCHED_POOL={boost}`" in str(error.value)
+    argv = ["--boost", str(boost), "--out", str(out)]
+    assert export.main([*argv, "--strategy", "sequoia"]) == 2
+    assert f"`make sequoia-acceptance BOOST_OUT={boost}`" in capsys.readouterr().err
+    assert export.main([*argv, "--strategy", "majority", "--beam", "2", "2"]) == 2
+    assert "strategy='majority' votes on chains" in capsys.readouterr().err
+    assert not out.exists()
+    (boost / "predictor").mkdir()  # any predictor folder: export copies, it does not load it
+    assert export.main([*argv, "--strategy", "learned"]) == 0
+    assert read(out / MANIFEST_FILE)["decoding"]["strategy"] == "learned"
+
+
 # ---------------------------------------------------------------- push
 
 
@@ -292,7 +433,7 @@ def test_push_calls_create_repo_and_upload_folder(
     assert args == ("org/pool",) and kwargs["exist_ok"] is True and kwargs["repo_type"] == "model"
     upload = FakeApi.calls[2][2]
     assert upload["folder_path"] == str(out) and upload["repo_id"] == "org/pool"
-    assert 'SSMPool.from_pretrained("org/pool")' in (out / "ssm-0" / "README.md").read_text()
+    assert 'from_pretrained(llm, "org/pool", tokenizer)' in (out / "ssm-0" / "README.md").read_text()
     # HUB_REPO works like --hub-repo.
     FakeApi.calls = []
     monkeypatch.setenv("HUB_REPO", "org/other")

@@ -252,7 +252,7 @@ RECORDED_ARGV = {
     ],
     "boost-sampled": [
         *("specboost.training.boost", "--distilled", f"{SMALL}/distill-sampled/tinystories_train_openings"),
-        *("--llm", LLM, "--out", f"{SMALL}/pool-sampled", "--num-ssms", "3", "--max-steps", "400"),
+        *("--llm", LLM, "--out", f"{SMALL}/pool-sampled", "--num-ssms", "3", "--max-steps", "1200"),
         *("--loss", "kl", "--boost-mode", "sampled"),
     ],
     "profile-sampled": [

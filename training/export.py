@@ -2,6 +2,8 @@
 
     python -m specboost.training.export --boost artifacts/pool --out artifacts/pool-export \\
         [--hub-repo ORG/NAME]   # or HUB_REPO=ORG/NAME; needs `hf auth login` (or HF_TOKEN)
+        [--strategy pool|learned|majority|pruned|sequoia] [--chain-length L | --beam W D]
+        [--length-controller minions|bass]   # the pool's decoding defaults
 
 BOOST is the folder `specboost.training.boost` writes: `ssm-0/`, `ssm-1/`... (save_pretrained
 folders with the LLM's tokenizer) and `boost_record.json`. OUT gets:
@@ -14,7 +16,11 @@ folders with the LLM's tokenizer) and `boost_record.json`. OUT gets:
   them), and how the pool was built: `boost_mode` ("greedy" marking or "sampled" acceptance
   weights), `loss` ("ce", "kl", "tv" or "mix") and `target_temperature` (the temperature of the
   LLM distributions it was trained on; null for CE on the LLM's tokens). Boost runs from before
-  these fields were recorded were greedy CE runs and are exported as such;
+  these fields were recorded were greedy CE runs and are exported as such. Its `decoding` block
+  holds the decoding choices `SpeculativeDecoder.from_pretrained` and `specboost generate --pool`
+  default to (`PoolDefaults`: strategy, shape, length controller), set by the options above;
+  a strategy that needs a file BOOST lacks (learned: the predictor; sequoia: acceptance vectors
+  and a hardware profile) is refused, naming the command that makes it;
 - `README.md`: the pool's card.
 
 OUT is written next to itself under a temporary name and renamed into place, so it exists only
@@ -39,12 +45,15 @@ import transformers
 from huggingface_hub import HfApi, get_token
 from transformers import PreTrainedTokenizerBase
 
-from specboost.decoder.pool import FORMAT_VERSION, MANIFEST_FILE, tokenizer_vocab_hash
+from specboost.decoder.pool import FORMAT_VERSION, MANIFEST_FILE, PoolDefaults, tokenizer_vocab_hash
+from specboost.decoder.strategies import STRATEGIES, StrategyInputs, check_inputs
 from specboost.speculator.cost_model import PROFILE_FILE
+from specboost.speculator.length_control import CONTROLLERS
 from specboost.speculator.loading import load_causal_lm, load_config, load_tokenizer
 from specboost.speculator.model_info import output_vocab_size
 from specboost.speculator.predictor import PREDICTOR_DIR
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
+from specboost.speculator.shapes import BeamShape, ChainShape
 
 RECORD_FILE = "boost_record.json"
 README_FILE = "README.md"
@@ -54,6 +63,16 @@ OPTIONAL_ENTRIES = {
     "predictor": (PREDICTOR_DIR,),
     "hardware_profile": (PROFILE_FILE,),
     "sequoia_acceptance": (ACCEPTANCE_FILE,),
+}
+# The optional entries a strategy needs to decode as a pool's default, and what makes each in BOOST.
+NEEDED_ENTRIES = {"learned": ("predictor",), "sequoia": ("sequoia_acceptance", "hardware_profile")}
+MAKERS = {  # entry -> (what it is, the command that writes it into BOOST)
+    "predictor": (
+        "the learned scheduler's match-length predictor",
+        "make predictor-data predictor SCHED_POOL=",
+    ),
+    "sequoia_acceptance": ("the SSMs' Sequoia acceptance vectors", "make sequoia-acceptance BOOST_OUT="),
+    "hardware_profile": ("a hardware profile (it sizes the tree)", "make profile SCHED_POOL="),
 }
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -125,23 +144,33 @@ def _front_matter(base: str | None) -> str:
     return "\n".join([*lines, "---", ""])
 
 
-def _usage(location: str, llm: str, subfolder: str) -> str:
+def describe_decoding(defaults: PoolDefaults) -> str:
+    """The decoding defaults in words, for the cards."""
+    shape = "its own DP-optimal tree" if defaults.shape is None else f"`{defaults.shape!r}`"
+    controller = defaults.length_controller or "none (fixed length)"
+    return f"strategy `{defaults.strategy}`, shape {shape}, length controller {controller}"
+
+
+def _usage(location: str, llm: str, subfolder: str, defaults: PoolDefaults) -> str:
     return f"""## How to use
 
 With specboost (lossless: greedy output equals `llm.generate`'s):
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from specboost.decoder import SpeculativeDecoder, SSMPool
+from specboost.decoder import SpeculativeDecoder
 
 llm = AutoModelForCausalLM.from_pretrained("{llm}")
 tokenizer = AutoTokenizer.from_pretrained("{llm}")
-pool = SSMPool.from_pretrained("{location}")
-pool.check_llm(llm, tokenizer)
-decoder = SpeculativeDecoder(llm, ssms=pool, tokenizer=tokenizer)
+decoder = SpeculativeDecoder.from_pretrained(llm, "{location}", tokenizer)  # checks the LLM and tokenizer
 ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
 print(tokenizer.decode(decoder.generate(ids, max_new_tokens=64).sequences[0]))
 ```
+
+Decoding defaults (the `decoding` block of `{MANIFEST_FILE}`): {describe_decoding(defaults)}. Any
+keyword of `SpeculativeDecoder` overrides them, e.g. `from_pretrained(llm, "{location}", tokenizer,
+shape=ChainShape(6))`; an explicit `strategy=` replaces them all. On the command line:
+`specboost generate --llm LLM_DIR --pool {location} --prompt "..."`.
 
 As a Hugging Face assistant model (assisted generation, one SSM):
 
@@ -212,7 +241,14 @@ def _sampled_rows(entry: dict[str, Any], record: dict[str, Any]) -> str:
     )
 
 
-def ssm_card(entry: dict[str, Any], index: int, record: dict[str, Any], llm: LLMInfo, location: str) -> str:
+def ssm_card(
+    entry: dict[str, Any],
+    index: int,
+    record: dict[str, Any],
+    llm: LLMInfo,
+    location: str,
+    defaults: PoolDefaults,
+) -> str:
     """README.md of one SSM: what it is, what it was trained on, how well it drafts."""
     rounds, held_out = len(record["rounds"]), len(record.get("held_out_ids") or [])
     return f"""{_front_matter(record.get("base"))}
@@ -238,7 +274,7 @@ boost-tuning) so that their union covers the LLM's outputs.
 | held-out mean match length | {_number(entry.get("held_out_mean_match_length"), 2)} |
 | pool coverage after this round | {_number(entry.get("pool_coverage"), 3)} |
 {_sampled_rows(entry, record)}
-{_usage(location, llm.name_or_path, f"ssm-{entry['ssm']}")}"""
+{_usage(location, llm.name_or_path, f"ssm-{entry['ssm']}", defaults)}"""
 
 
 def pool_card(manifest: dict[str, Any], record: dict[str, Any], llm: LLMInfo, location: str) -> str:
@@ -254,13 +290,14 @@ def pool_card(manifest: dict[str, Any], record: dict[str, Any], llm: LLMInfo, lo
 `{llm.name_or_path}` (vocabulary {llm.vocab_size} tokens). Base model: {describe_base(record.get("base"))}.
 Training data: {llm.training_data}. Loss: {describe_training(record)}; boost mode
 `{manifest["boost_mode"]}`. The manifest `{MANIFEST_FILE}` names the LLM (with a tokenizer
-vocab hash, so a mismatch is detected), the SSMs and their initial voting weights.
+vocab hash, so a mismatch is detected), the SSMs, their initial voting weights and the decoding
+defaults.
 
 | SSM | boost round | held-out acceptance | mean match length | pool coverage |
 |---|---|---|---|---|
 {rows}
 
-{_usage(location, llm.name_or_path, "ssm-0")}"""
+{_usage(location, llm.name_or_path, "ssm-0", PoolDefaults.from_manifest(manifest))}"""
 
 
 def describe_base(base: str | None) -> str:
@@ -283,7 +320,9 @@ def _number(value: Any, digits: int) -> str:
 # ---------------------------------------------------------------- export
 
 
-def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str | None]) -> dict[str, Any]:
+def build_manifest(
+    record: dict[str, Any], llm: LLMInfo, extras: dict[str, str | None], defaults: PoolDefaults
+) -> dict[str, Any]:
     ssms = [
         {
             "path": f"ssm-{entry['ssm']}",
@@ -310,6 +349,7 @@ def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str |
         "ssms": ssms,
         "weights": [1.0 / len(ssms)] * len(ssms),  # equal until the pool votes (ALGORITHMS.md 6)
         **{key: None if name is None else {"path": name} for key, name in extras.items()},
+        "decoding": defaults.to_manifest(),
         "seed": record.get("seed"),
         "versions": {
             "boost": record.get("versions"),
@@ -318,17 +358,35 @@ def build_manifest(record: dict[str, Any], llm: LLMInfo, extras: dict[str, str |
     }
 
 
-def copy_optional(boost: Path, tmp: Path) -> dict[str, str | None]:
-    """Copy the optional entries BOOST holds; their names, else None."""
-    found: dict[str, str | None] = {}
-    for key, names in OPTIONAL_ENTRIES.items():
-        name = next((n for n in names if (boost / n).exists()), None)
-        if name is not None and (boost / name).is_dir():
+def find_optional(boost: Path) -> dict[str, str | None]:
+    """The optional entries BOOST holds: manifest key -> file name, else None."""
+    return {
+        key: next((n for n in names if (boost / n).exists()), None) for key, names in OPTIONAL_ENTRIES.items()
+    }
+
+
+def copy_optional(boost: Path, tmp: Path, found: dict[str, str | None]) -> None:
+    for name in filter(None, found.values()):
+        if (boost / name).is_dir():
             shutil.copytree(boost / name, tmp / name)
-        elif name is not None:
+        else:
             shutil.copy2(boost / name, tmp / name)
-        found[key] = name
-    return found
+
+
+def check_decoding(defaults: PoolDefaults, found: dict[str, str | None], boost: Path) -> None:
+    """Refuse decoding defaults the decoder would refuse, or that need a file BOOST lacks (saying
+    which command makes it): a pool's defaults must decode as they are."""
+    strategy = defaults.strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"the strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    check_inputs(strategy, StrategyInputs(defaults.shape, length_controller=defaults.length_controller))
+    for key in NEEDED_ENTRIES.get(strategy, ()):
+        if found[key] is None:
+            what, command = MAKERS[key]
+            raise ValueError(
+                f"--strategy {strategy} needs {what}, and the boost run {boost} has none: "
+                f"`{command}{boost}` writes it there; then export again"
+            )
 
 
 def export_ssm(boost: Path, tmp: Path, entry: dict[str, Any], index: int, card: str, vocab_size: int) -> None:
@@ -350,13 +408,24 @@ def export_ssm(boost: Path, tmp: Path, entry: dict[str, Any], index: int, card: 
     (target / README_FILE).write_text(card)
 
 
-def export_pool(boost: str | Path, out: str | Path, hub_repo: str | None = None) -> dict[str, Any]:
-    """Write the hub-style pool folder OUT from the boost run BOOST; returns the manifest."""
+def export_pool(
+    boost: str | Path,
+    out: str | Path,
+    hub_repo: str | None = None,
+    defaults: PoolDefaults | None = None,
+) -> dict[str, Any]:
+    """Write the hub-style pool folder OUT from the boost run BOOST; returns the manifest.
+    `defaults`: the decoding choices the manifest recommends. Unset, they are the decoder's own
+    (strategy "pool", chains of 4): that choice has no file to ship and runs on any device, and
+    no measurement taken at export says another beats it on the user's hardware; the README's
+    benchmark is where to pick one for a pool and machine."""
     boost, out = Path(boost), Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
         raise ValueError(f"{out} exists and is not an exported SSM pool: choose another --out or remove it")
-    # 1. Setup: the record, the LLM's vocabulary, the training data.
+    # 1. Setup: the record, the optional files and the defaults they allow, the LLM's vocabulary.
     record = read_record(boost)
+    found, defaults = find_optional(boost), defaults or PoolDefaults()
+    check_decoding(defaults, found, boost)
     llm = describe_llm(record, boost)
     location = hub_repo or str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -366,10 +435,11 @@ def export_pool(boost: str | Path, out: str | Path, hub_repo: str | None = None)
     try:
         # 2. Every SSM with its model card.
         for index, entry in enumerate(record["rounds"]):
-            card = ssm_card(entry, index, record, llm, location)
+            card = ssm_card(entry, index, record, llm, location, defaults)
             export_ssm(boost, tmp, entry, index, card, llm.vocab_size)
         # 3. Predictor / hardware profile, manifest, pool card.
-        manifest = build_manifest(record, llm, copy_optional(boost, tmp))
+        copy_optional(boost, tmp, found)
+        manifest = build_manifest(record, llm, found, defaults)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / README_FILE).write_text(pool_card(manifest, record, llm, location))
         # 4. Swap into place.
@@ -431,7 +501,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="the export folder (replaced atomically)")
     p.add_argument("--hub-repo", default=None, help="push to this hub repo ORG/NAME (default: $HUB_REPO)")
     p.add_argument("--private", action="store_true", help="create the hub repo as private")
+    decoding = p.add_argument_group(
+        "decoding defaults",
+        "what SpeculativeDecoder.from_pretrained and `specboost generate --pool` use unless told otherwise "
+        "(default: strategy pool, chains of 4, a fixed length: the decoder's own defaults)",
+    )
+    decoding.add_argument("--strategy", choices=STRATEGIES, default="pool", help="(default: pool)")
+    shape = decoding.add_mutually_exclusive_group()
+    shape.add_argument("--chain-length", type=int, metavar="L", help="every SSM drafts a chain of L tokens")
+    shape.add_argument(
+        "--beam", type=int, nargs=2, metavar=("WIDTH", "DEPTH"), help="every SSM drafts a beam search"
+    )
+    decoding.add_argument(
+        "--length-controller", choices=sorted(CONTROLLERS), help="adapt the chain length every step"
+    )
     return p.parse_args(argv)
+
+
+def decoding_defaults(args: argparse.Namespace) -> PoolDefaults:
+    """The --strategy, --chain-length / --beam and --length-controller options as `PoolDefaults`."""
+    shape = None if args.beam is None else BeamShape(*args.beam)
+    if args.chain_length is not None:
+        shape = ChainShape(args.chain_length)
+    return PoolDefaults(args.strategy, shape, args.length_controller)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     hub_repo = args.hub_repo or os.environ.get("HUB_REPO") or None
     try:
         token = require_token() if hub_repo else None  # before the work, not after it
-        manifest = export_pool(args.boost, args.out, hub_repo)
+        manifest = export_pool(args.boost, args.out, hub_repo, decoding_defaults(args))
         print(f"[export] {len(manifest['ssms'])} SSMs for {manifest['llm']['name_or_path']}: {args.out}")
         if hub_repo and token:
             print(f"[export] pushed to {push_to_hub(args.out, hub_repo, token, args.private)}")

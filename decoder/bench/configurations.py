@@ -16,6 +16,18 @@ SUITES: dict[str, Protocol] = {
     "quick": SuiteConfig(
         fixture="tiny", prompts_per_category=3, max_new_tokens=48, repeats=2, compiled=False
     ),
+    # make demo: the single-file bench's rows plus Sequoia and the learned scheduler, greedy, batch
+    # 1, on 8 held-out Gutenberg openings (a split no training step saw); on --llm with --pool (the
+    # demo's export, which ships the predictor, profile and Sequoia vectors), else the tiny fixture.
+    "demo": SuiteConfig(
+        fixture="tiny",
+        prompts="gutenberg_openings",
+        prompts_per_category=8,
+        decodings=(GREEDY,),
+        batch_sizes=(1,),
+        compiled=False,
+        methods=(*BENCH_METHODS, "sequoia", "learned"),
+    ),
     "batched": BatchedConfig(),  # make bench-batched
     "strategies": StrategiesConfig(),  # make strategy-compare
     "scheduler": SchedulerConfig(),  # make scheduler-eval

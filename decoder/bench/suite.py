@@ -78,6 +78,9 @@ FIXTURE_RECORD = "fixture.json"  # written by the fixture's builder (training/be
 CHAIN_SAMPLES = 3  # chain[0]x3: SSM 0's sampled chains, as many tokens as a 3-SSM pool_chain drafts
 # The single-file bench's method families ("plain" always runs).
 BENCH_METHODS = ("plain", "hf_assisted", "chain", "stairs", "pool_chain", "pool_beam", "pool_topology")
+# The strategies with rows of their own: "pool" is the chain and beam rows, and "plain" (drafting
+# nothing) is plain decoding, measured as `llm.generate` (the PLAIN row).
+OWN_ROWS = tuple(s for s in STRATEGIES if s not in ("pool", "plain"))
 METHOD_FAMILIES = (
     *(
         "plain",
@@ -92,7 +95,7 @@ METHOD_FAMILIES = (
         "majority+compiled",
         "pool_chain+kseq",
     ),
-    *("pool_beam", "pool_topology", *(s for s in STRATEGIES if s != "pool"), "majority+adaptive", "batched"),
+    *("pool_beam", "pool_topology", *OWN_ROWS, "majority+adaptive", "batched"),
     *("batched+compiled", "engine", f"chainx{CHAIN_SAMPLES}", f"chainx{CHAIN_SAMPLES}+kseq"),
 )
 ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
@@ -361,7 +364,7 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
         name = f"chain[0]x{CHAIN_SAMPLES}"  # SSM 0: the first boosting round, trained on every position
         out[name] = ours(name, f"{samples} drafted by SSM 0, MSS", [0], shape=samples)
         out[f"{name}+kseq"] = ours(f"{name}+kseq", f'{name}, rule="k_sequential"', [0], shape=samples, **kseq)
-    for strategy in (s for s in STRATEGIES if s not in ("pool", "learned")):
+    for strategy in (s for s in OWN_ROWS if s != "learned"):
         shape = {"majority": chain, "pruned": beam}.get(strategy)  # the others draft their own trees
         kwargs = {"strategy": strategy} | ({"shape": shape} if shape else {})
         description = f'strategy="{strategy}"' + (f", {shape}" if shape else "")
