@@ -249,6 +249,8 @@ def test_authentication_and_limits_stop_requests_before_the_engine(parts, served
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="abc", max_tokens=4)
         assert submitted == []
+        with pytest.raises(openai.BadRequestError, match="context holds 1024"):  # the engine's own check
+            client.completions.create(model=MODEL, prompt="b" * 1500, max_tokens=4)
     finally:
         engine.submit = real_submit
 
