@@ -335,7 +335,8 @@ def _allocate(layer: StaticLayer, like: StaticLayer, rows: int) -> None:
     layer.values = like.values.new_zeros(shape_v)
     torch._dynamo.mark_static_address(layer.keys)  # CUDA graphs read the cache in place, never copy it
     torch._dynamo.mark_static_address(layer.values)
-    layer.dtype, layer.device = like.dtype, like.device
+    # From the tensors: transformers 5.24 dropped the layers' own `dtype` (earlier ones read it).
+    layer.dtype, layer.device = like.keys.dtype, like.keys.device
     layer.batch_size, layer.num_heads = rows, like.num_heads
     layer.k_head_dim, layer.v_head_dim = like.k_head_dim, like.v_head_dim
     layer.cumulative_length = layer.cumulative_length.to(like.device)
