@@ -74,7 +74,8 @@ class SpeculativeDecoder:
             and step; needs a predictor, from `predictor=` or the pool), "majority" (only the
             weighted-majority chain of `shape`'s length is verified), "pruned" (the merged tree
             cut to a node budget by SSM weight) or "sequoia" (one SSM fills a DP-optimal tree;
-            needs an acceptance vector, from `strategy_options` or the pool).
+            needs an acceptance vector, from `strategy_options` or the pool) or "plain" (drafts
+            nothing, `ssms=[]`: plain decoding through the same loop, speculation off).
         predictor, cost_model: the learned scheduler's match-length predictor and the hardware
             cost model of "learned" and "sequoia" (default: the pool's; "learned" measures a
             missing cost model on the spot).
