@@ -232,6 +232,13 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
     strategy.add_argument(
         "--force-profile", action="store_true", help="use a profile measured on other hardware"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's); a hardware profile holds for the thread count it was "
+        "measured at (`make demo` measures at 1)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,6 +482,8 @@ def build_decoder(args: argparse.Namespace) -> SpeculativeDecoder:
     """The decoder of generate's and serve's options: --llm with --ssm or --pool (neither with
     --strategy plain, which drafts nothing)."""
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]  # before anything loads
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.strategy == "plain":
         if args.ssms or args.pool:
             raise ValueError("--strategy plain drafts nothing: drop --ssm / --pool")
@@ -523,8 +532,6 @@ def generate(args: argparse.Namespace) -> int:
 
 # serve ------------------------------------------------------------------------------------------
 def serve_command(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     return serve(args, lambda: build_decoder(args))
 
 

@@ -136,6 +136,7 @@ def load_cost_model(path: str | Path, key: str, force: bool = False) -> CostMode
         return CostModel(**next(iter(profiles.values())))
     raise ValueError(
         f"{path} holds latencies measured on {', '.join(profiles) or 'no device'}, not on this machine "
-        f"({key}); run `specboost profile` here, or force the foreign profile (force_profile=True, "
-        "--force-profile) if you know the hardware is equivalent"
+        f"({key}); run with the thread count it was measured at (torch.set_num_threads, --threads) if "
+        "that is the difference, run `specboost profile` here, or force the foreign profile "
+        "(force_profile=True, --force-profile) if you know the hardware is equivalent"
     )

@@ -77,7 +77,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"{meaning} (default: {default})",
         )
-    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
