@@ -176,7 +176,8 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
         help="pool: every SSM drafts the shape above, trees merged; learned: the learned scheduler picks a "
         "beam per SSM and step (needs --predictor); majority: only the weighted-majority chain is verified; "
         "pruned: the merged tree cut to --budget nodes by SSM weight; sequoia: one SSM fills a DP-optimal "
-        "tree (needs --acceptance, and --nodes or --profile) (default: the pool's, else pool; given, it "
+        "tree (needs --acceptance, and --nodes or --profile); plain: speculation off, the LLM alone (no "
+        "--ssm or --pool) (default: the pool's, else pool; given, it "
         "replaces the pool's whole choice: its shape and length controller are not used)",
     )
     strategy.add_argument(
@@ -409,6 +410,13 @@ def _shape(args: argparse.Namespace, default: DraftShape | None) -> DraftShape |
     decoder's; None for sequoia, which builds its own tree): the kind from --shape, else the
     default's; each parameter from its option, else the default's if of that kind, else the kind's."""
     if args.shape is None and default is None:
+        if given := [
+            d for d in (*SHAPE_OPTIONS.values(), "topology_children") if getattr(args, d) is not None
+        ]:
+            flags = ", ".join("--" + d.replace("_", "-") for d in given)
+            raise ValueError(
+                f"{flags} set a draft shape, but sequoia builds its own tree and plain drafts nothing"
+            )
         return None
     name = args.shape or next(k for k, kind in SHAPE_KINDS.items() if isinstance(default, kind))
     kind = SHAPE_KINDS[name]
@@ -487,8 +495,9 @@ def build_decoder(args: argparse.Namespace) -> SpeculativeDecoder:
     if args.strategy == "plain":
         if args.ssms or args.pool:
             raise ValueError("--strategy plain drafts nothing: drop --ssm / --pool")
+        options = _decoder_options(args, PoolDefaults("plain"), None, device, dtype)
         llm = load_causal_lm(args.llm, dtype, device)
-        return SpeculativeDecoder(llm, [], load_tokenizer(args.tokenizer or args.llm), strategy="plain")
+        return SpeculativeDecoder(llm, [], load_tokenizer(args.tokenizer or args.llm), **options)
     if args.pool is None:
         if not args.ssms:
             raise ValueError("give the SSMs: --ssm PATH [PATH ...] or --pool DIR|ID (or --strategy plain)")

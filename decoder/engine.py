@@ -448,7 +448,7 @@ class Engine:
             for row in finished
             if row.tag._resolve(
                 RequestResult(
-                    sequences=torch.tensor([row.tokens], dtype=torch.long),
+                    sequences=torch.tensor([row.tokens], dtype=torch.long, device=self.decoder.llm.device),
                     finish_reason=row.finish_reason,
                     stats=row.stats,
                     latency=row.finished - row.tag.submitted,

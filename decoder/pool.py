@@ -45,6 +45,9 @@ SHAPE_KINDS: dict[str, type[DraftShape]] = {"chain": ChainShape, "beam": BeamSha
 T = TypeVar("T")
 
 
+OWN_TREE = ("sequoia", "plain")  # strategies that take no draft shape: Sequoia's own tree, or none
+
+
 @dataclass(frozen=True)
 class PoolDefaults:
     """The decoding choices a pool recommends: its manifest's "decoding" block, the defaults of
@@ -58,11 +61,11 @@ class PoolDefaults:
     the decoder run it, not this class."""
 
     strategy: str = "pool"
-    shape: DraftShape | None = None  # None: a chain of 4 (the decoder's default); "sequoia": its own tree
+    shape: DraftShape | None = None  # None: a chain of 4 (the decoder's default); OWN_TREE: none
     length_controller: str | None = None  # "minions" | "bass" | None: a fixed length
 
     def __post_init__(self) -> None:
-        if self.shape is None and self.strategy != "sequoia":  # written out, so that the manifest says it
+        if self.shape is None and self.strategy not in OWN_TREE:  # written out, so that the manifest says it
             object.__setattr__(self, "shape", ChainShape())
         check_shape(self.shape)
         controller = self.length_controller

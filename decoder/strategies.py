@@ -271,3 +271,4 @@ BUILDERS: dict[str, Builder] = {
     "plain": _plain,
 }
 STRATEGIES = tuple(BUILDERS)
+DRAFTING = tuple(s for s in STRATEGIES if s != "plain")  # those that speculate (a pool's choices)

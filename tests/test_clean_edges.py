@@ -226,3 +226,18 @@ def test_pool_that_is_no_pool_and_pool_with_ssm(models, pool: Path, capsys) -> N
     assert "argument --ssm: not allowed with argument --pool" in capsys.readouterr().err
     assert main(["generate", "--llm", str(llm), "--prompt", "hi"]) == 2
     assert "give the SSMs: --ssm PATH [PATH ...] or --pool DIR|ID" in capsys.readouterr().err
+
+
+def test_plain_takes_no_models_nor_shape_options(models, capsys) -> None:
+    """`--strategy plain` decodes with the LLM alone; SSMs and shape options are refused, not
+    ignored (as they are for sequoia, which builds its own tree)."""
+    llm, ssms = models
+    plain = ["generate", "--llm", str(llm), "--prompt", "hi", "--max-new-tokens", "3", "--strategy", "plain"]
+    assert main(plain) == 0
+    assert "3 new tokens (finish: length) in 3 LLM steps" in capsys.readouterr().err
+    assert main([*plain, "--ssm", str(ssms[0])]) == 2
+    assert "drop --ssm / --pool" in one_line_error(capsys)
+    assert main([*plain, "--length", "3", "--width", "2"]) == 2
+    assert "--length, --width set a draft shape" in one_line_error(capsys)
+    assert main(generate(models, "--strategy", "sequoia", "--nodes", "4", "--length", "3")) == 2
+    assert "--length set a draft shape" in one_line_error(capsys)

@@ -386,6 +386,8 @@ def test_export_refuses_defaults_the_pool_cannot_decode(
     tmp_path: Path, tiny: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     boost, out = make_boost(tmp_path, tiny), tmp_path / "out"
+    with pytest.raises(ValueError, match="a pool's strategy must be one of"):  # plain drafts nothing
+        export.export_pool(boost, out, defaults=PoolDefaults("plain"))
     with pytest.raises(ValueError, match="--strategy learned needs the learned scheduler's") as error:
         export.export_pool(boost, out, defaults=PoolDefaults("learned"))
     assert f"`make predictor-data predictor SCHED_POOL={boost}`" in str(error.value)

@@ -15,6 +15,7 @@ import torch
 from conftest import char_tokenizer, noisy_copy, tiny_llama
 
 from specboost.decoder import SpeculativeDecoder
+from specboost.decoder.bench.serve_load import LoadConfig, report, run_load
 from specboost.decoder.cli import build_parser
 from specboost.decoder.engine import EngineConfig
 from specboost.decoder.serve.app import create_app
@@ -298,3 +299,15 @@ def test_serve_options_become_the_server_config(monkeypatch: pytest.MonkeyPatch)
     too_many = [*base, "--default-max-tokens", "500", "--max-tokens-limit", "100"]
     with pytest.raises(ValueError, match="exceeds max_tokens_limit"):
         server_config(build_parser().parse_args(too_many))
+
+
+def test_the_load_benchmark_drives_a_server_and_reports(served):
+    """`serve_load` (the benchmark, not timed here): every request streamed to the end and counted."""
+    _, url = served
+    config = LoadConfig(requests=3, concurrency=2, max_tokens=5, warmup=1, rounds=1, model=MODEL)
+    headers = {"authorization": f"Bearer {KEY}"}
+    results = run_load({"plain": url, "speculative": url}, ["abc", "bcd"], config, headers)
+    assert [(r.mode, len(r.timings)) for r in results] == [("plain", 3), ("speculative", 3)]
+    assert all(t.tokens == 5 and 0 < t.first_token <= t.total for r in results for t in r.timings)
+    text, record = report(results, config, {"device": "cpu"})
+    assert "speculative vs plain" in text and set(record["figures"]) == {"plain", "speculative"}

@@ -46,7 +46,7 @@ from huggingface_hub import HfApi, get_token
 from transformers import PreTrainedTokenizerBase
 
 from specboost.decoder.pool import FORMAT_VERSION, MANIFEST_FILE, PoolDefaults, tokenizer_vocab_hash
-from specboost.decoder.strategies import STRATEGIES, StrategyInputs, check_inputs
+from specboost.decoder.strategies import DRAFTING, StrategyInputs, check_inputs
 from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.length_control import CONTROLLERS
 from specboost.speculator.loading import load_causal_lm, load_config, load_tokenizer
@@ -377,8 +377,8 @@ def check_decoding(defaults: PoolDefaults, found: dict[str, str | None], boost: 
     """Refuse decoding defaults the decoder would refuse, or that need a file BOOST lacks (saying
     which command makes it): a pool's defaults must decode as they are."""
     strategy = defaults.strategy
-    if strategy not in STRATEGIES:
-        raise ValueError(f"the strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy not in DRAFTING:
+        raise ValueError(f"a pool's strategy must be one of {', '.join(DRAFTING)}, got {strategy!r}")
     check_inputs(strategy, StrategyInputs(defaults.shape, length_controller=defaults.length_controller))
     for key in NEEDED_ENTRIES.get(strategy, ()):
         if found[key] is None:
@@ -506,7 +506,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "what SpeculativeDecoder.from_pretrained and `specboost generate --pool` use unless told otherwise "
         "(default: strategy pool, chains of 4, a fixed length: the decoder's own defaults)",
     )
-    decoding.add_argument("--strategy", choices=STRATEGIES, default="pool", help="(default: pool)")
+    decoding.add_argument("--strategy", choices=DRAFTING, default="pool", help="(default: pool)")
     shape = decoding.add_mutually_exclusive_group()
     shape.add_argument("--chain-length", type=int, metavar="L", help="every SSM drafts a chain of L tokens")
     shape.add_argument(

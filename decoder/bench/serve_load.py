@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -274,6 +275,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --llm and --pool (servers started here), or --url (a running server), not both")
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return measure(args)
+    except (FileNotFoundError, ValueError) as error:  # a bad path, model or prompt file
+        print(f"serve_load: error: {error}", file=sys.stderr)
+    except httpx.HTTPError as error:
+        print(
+            f"serve_load: error: the server did not answer as expected ({error}); check --url",
+            file=sys.stderr,
+        )
+    return 2
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Drive the servers, write and print the report."""
     config = LoadConfig(
         args.requests,
         args.concurrency,

@@ -10,7 +10,7 @@ file, the single-file bench. Writes suite.json (bench.json), report.md and the p
 
 Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
 and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
-SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.STRATEGIES`);
+SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`);
 the learned scheduler; sampled only, k-sequential verification (`pool_chain+kseq`) and three
 sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the drafted tokens of a 3-SSM
 `pool_chain`). Batch > 1: plain batched `generate` against the pool's chains as one ragged batch
@@ -70,7 +70,7 @@ from specboost.decoder.bench.workloads import (
 from specboost.decoder.engine import EngineConfig
 from specboost.decoder.generation_options import resolve
 from specboost.decoder.loop import BatchConfig
-from specboost.decoder.strategies import STRATEGIES
+from specboost.decoder.strategies import DRAFTING
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
 
@@ -78,9 +78,9 @@ FIXTURE_RECORD = "fixture.json"  # written by the fixture's builder (training/be
 CHAIN_SAMPLES = 3  # chain[0]x3: SSM 0's sampled chains, as many tokens as a 3-SSM pool_chain drafts
 # The single-file bench's method families ("plain" always runs).
 BENCH_METHODS = ("plain", "hf_assisted", "chain", "stairs", "pool_chain", "pool_beam", "pool_topology")
-# The strategies with rows of their own: "pool" is the chain and beam rows, and "plain" (drafting
-# nothing) is plain decoding, measured as `llm.generate` (the PLAIN row).
-OWN_ROWS = tuple(s for s in STRATEGIES if s not in ("pool", "plain"))
+# The strategies with rows of their own: "pool" is the chain and beam rows ("plain", drafting
+# nothing, is plain decoding, measured as `llm.generate`: the PLAIN row).
+OWN_ROWS = tuple(s for s in DRAFTING if s != "pool")
 METHOD_FAMILIES = (
     *(
         "plain",
