@@ -53,15 +53,16 @@ DS_VENV  := .venv-deepspeed
 DS_BIN   := $(DS_VENV)/bin
 DS_STAMP := $(DS_VENV)/.installed
 
-.PHONY: install test lint format example bench-decoder reference-llm distill boost export demo check-deepspeed clean \
+.PHONY: install test check-wheel lint format example bench-decoder reference-llm distill boost export demo check-deepspeed clean \
 	predictor-data predictor profile scheduler-eval
 
 install: $(STAMP)
 
 # torch comes first and pinned, so that pip takes the local CPU wheel and never a CUDA build.
-$(STAMP): pyproject.toml
+# setuptools and wheel too: `make check-wheel` builds the wheel with this venv's (no build isolation).
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet --upgrade pip 'setuptools>=77' wheel
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
@@ -69,6 +70,23 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q  # tests never reach a hub
+
+# The package as users get it: build the wheel, install it alone into a fresh venv outside the
+# checkout (its dependencies reused from .venv through a .pth file, nothing downloaded) and, from
+# another folder, check imports, data, --help/--version, generate and serve (tests/check_installed.py).
+WHEEL_CHECK ?= /tmp/specboost-wheel-check
+
+check-wheel: $(STAMP)
+	rm -rf $(WHEEL_CHECK) build
+	mkdir -p $(WHEEL_CHECK)/work
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(WHEEL_CHECK)/dist .
+	rm -rf build
+	$(PYTHON) -m venv --without-pip $(WHEEL_CHECK)/venv
+	$(BIN)/pip --python $(WHEEL_CHECK)/venv/bin/python install --quiet --no-deps $(WHEEL_CHECK)/dist/*.whl
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
+		> "$$($(WHEEL_CHECK)/venv/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/specboost-deps.pth"
+	cd $(WHEEL_CHECK)/work && HF_HUB_OFFLINE=1 $(WHEEL_CHECK)/venv/bin/python $(CURDIR)/tests/check_installed.py \
+		--checkout $(CURDIR) --work $(WHEEL_CHECK)/work
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -95,7 +113,8 @@ bench-decoder: $(STAMP)
 # rows), then `specboost bench --suite` runs every method on the bundled held-out workloads;
 # report.md, suite.json and plots go to ARTIFACTS/bench-suite/<fixture>.
 # SUITE=quick: the tiny fixture (minutes); FIXTURE=tiny|small overrides the suite's fixture;
-# SUITE_FLAGS="--readme README.md" also fills the README's results ("--build-threads N": training threads).
+# SUITE_FLAGS="--readme README.md" also writes the full results into docs/results.md and the headline
+# table into README.md ("--build-threads N": training threads).
 SUITE ?= default
 FIXTURE ?=
 SUITE_FLAGS ?=
@@ -208,9 +227,9 @@ demo: $(STAMP)
 # torch first and pinned again beside the extra, so that pip keeps the local CPU wheel (DeepSpeed
 # only asks for torch>=2); DeepSpeed's setup is run against that torch (no build isolation), and
 # DS_ACCELERATOR=cpu keeps it from adding GPU packages.
-$(DS_STAMP): pyproject.toml
+$(DS_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(DS_VENV)
-	$(DS_BIN)/pip install --quiet --upgrade pip
+	$(DS_BIN)/pip install --quiet --upgrade pip 'setuptools>=77' wheel
 	$(DS_BIN)/pip install --quiet torch==2.13.0
 	DS_ACCELERATOR=cpu $(DS_BIN)/pip install --quiet --no-build-isolation -e '.[dev,deepspeed]' torch==2.13.0
 	touch $(DS_STAMP)

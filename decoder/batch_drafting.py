@@ -57,10 +57,10 @@ class GroupDrafting(Protocol):
         """Keep only rows `keep` (indices into `rows`, the rows before the call)."""
 
     def propose(
-        self, rows: list[SequenceState], depths: list[int], length: int | None
+        self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]
     ) -> list[TokenTree] | ChainDraft:
         """One tree per row, at most `depths[b]` deep (or one SSM's greedy chains, still on the
-        device); `length` is the batch's chain length (None: the strategy's own shape)."""
+        device); `lengths[b]` is row b's chain length (None: the strategy's own shape)."""
 
     def levels(self, row: int) -> int:
         """Tree levels drafted for row `row` in the last `propose` (for a stacked pool one pass each,
@@ -131,10 +131,10 @@ class BatchedChainDrafting:
             drafter.select(keep)
 
     def propose(
-        self, rows: list[SequenceState], depths: list[int], length: int | None
+        self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]
     ) -> list[TokenTree] | ChainDraft:
-        length = self.shape.length if length is None else length
-        lengths = [min(length, depth) for depth in depths]
+        own = self.shape.length
+        lengths = [min(own if n is None else n, depth) for n, depth in zip(lengths, depths, strict=True)]
         self._levels = max(lengths, default=0)
         verified = [row.tokens for row in rows]
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
@@ -204,11 +204,14 @@ class PerSequenceDrafting:
         self._spare += [s for i, s in enumerate(self.speculators) if i not in kept]
         self.speculators = [self.speculators[i] for i in keep]
 
-    def propose(self, rows: list[SequenceState], depths: list[int], length: int | None) -> list[TokenTree]:
+    def propose(
+        self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]
+    ) -> list[TokenTree]:
         trees = []
-        for row, depth, speculator in zip(rows, depths, self.speculators, strict=True):
-            if length is not None:
-                speculator.shape = replace(speculator.shape, length=length)
+        for row, depth, length, speculator in zip(rows, depths, lengths, self.speculators, strict=True):
+            if self.chains and speculator is not self.prototype:  # a copy, maybe last used by another row
+                own = self.prototype.shape.length
+                speculator.shape = replace(speculator.shape, length=own if length is None else length)
             trees.append(speculator.propose(DraftRequest(row.tokens, depth, row.probs, row.hidden)))
         return trees
 

@@ -16,19 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specboost import __version__
 from specboost.decoder.bench.configurations import FILE_BENCH, FILE_BENCH_OPTIONS, SUITES, resolve_suite
 from specboost.decoder.bench.protocol import Protocol
 from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SHAPE_KINDS, PoolDefaults, SSMPool
 from specboost.decoder.profiler import ProfileConfig, profile
-from specboost.decoder.serve.command import add_serve_arguments, serve
+from specboost.decoder.serve.command import add_serve_arguments, bounded, serve
+from specboost.decoder.serve.protocol import SEED_LIMIT
 from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
@@ -45,6 +48,7 @@ from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sequoia_acceptance import load_acceptance_file
 from specboost.speculator.shapes import ChainShape, DraftShape, TopologyShape
 
+THREADS = bounded(int, 1)  # the type of every --threads: torch refuses fewer than one thread
 DEFAULT_TOPOLOGY = Shapes().topology_children
 _TOPOLOGY_TEXT = json.dumps([list(level) for level in DEFAULT_TOPOLOGY])
 
@@ -235,7 +239,7 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=THREADS,
         metavar="N",
         help="torch CPU threads (default: torch's); a hardware profile holds for the thread count it was "
         "measured at (`make demo` measures at 1)",
@@ -246,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specboost", description="Lossless speculative decoding with a pool of small speculative models."
     )
+    parser.add_argument("--version", action="version", version=f"specboost {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from one prompt with SpeculativeDecoder")
@@ -266,10 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--do-sample", action=argparse.BooleanOptionalAction, default=None, help="sample instead of greedy"
     )
-    sampling.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
+    sampling.add_argument("--temperature", type=bounded(float), metavar="T", help="sampling temperature")
     sampling.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (0 = off)")
-    sampling.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1.0 = off)")
-    sampling.add_argument("--seed", type=int, metavar="S", help="seed for reproducible sampling")
+    sampling.add_argument(
+        "--top-p", type=bounded(float), metavar="P", help="nucleus sampling threshold (1.0 = off)"
+    )
+    sampling.add_argument(
+        "--seed",
+        type=bounded(int, 0, SEED_LIMIT - 1),
+        metavar="S",
+        help="seed for reproducible sampling",
+    )
 
     server = commands.add_parser(
         "serve",
@@ -298,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="cached tokens before the tree (default: 64)",
     )
-    prof.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default)")
+    prof.add_argument(
+        "--threads", type=THREADS, metavar="N", help="torch CPU threads (default: torch's default)"
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -345,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--beam-depth", type=int, metavar="D", help="beam depth for pool_beam (default: 4)")
     _add_topology_option(bench, "pool_topology", defaults=False)
     bench.add_argument(
-        "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's default; suites: 1)"
+        "--threads", type=THREADS, metavar="N", help="torch CPU threads (default: torch's default; suites: 1)"
     )
     batched = bench.add_argument_group("--suite batched")
     batched.add_argument(
@@ -395,7 +409,11 @@ def _add_suite_options(bench: argparse.ArgumentParser) -> None:
         "--artifacts", type=Path, default=Path("artifacts"), metavar="DIR", help="(default: artifacts)"
     )
     suite.add_argument(
-        "--readme", type=Path, metavar="FILE", help="also fill this README's '## Benchmark results' section"
+        "--readme",
+        type=Path,
+        metavar="FILE",
+        help="also write the full results into docs/results.md beside this README and the headline table "
+        "into the README (between their marker lines)",
     )
     suite.add_argument("--dry-run", action="store_true", help="say which models the suite would run on")
 
@@ -649,7 +667,12 @@ def main(argv: list[str] | None = None) -> int:
         for path in models:  # fail fast, before anything loads
             check_model_path(path)
         commands = {"generate": generate, "serve": serve_command, "profile": profile_command, "bench": bench}
-        return commands[args.command](args)
+        with warnings.catch_warnings():
+            # transformers 5.24 renamed forward's `past_key_values` to `cache` and warns on every run;
+            # the KV caches (speculator/kv_cache.py, beam_search.py) pass the old name, which every
+            # transformers release this package allows (>=5.0,<5.25) takes.
+            warnings.filterwarnings("ignore", r"`past_key_values` is deprecated", FutureWarning)
+            return commands[args.command](args)
     except (FileNotFoundError, ValueError, NotImplementedError) as error:
         print(f"specboost {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ ACCUMULATED_LIMIT = 1024  # graphs of all models of a process together (a benchm
 def compile_by_default(device: torch.device) -> bool:
     """compile="auto": compile on CUDA (CUDA graphs take the per-kernel launch cost away, the
     dominant cost of a small model's step there); run eagerly on other devices, where compiling
-    takes minutes and gains less (see the README's compiled rows)."""
+    takes minutes and gains less (see the `+compiled` rows in docs/results.md)."""
     return device.type == "cuda"
 
 

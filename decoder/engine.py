@@ -223,7 +223,9 @@ class Engine:
             thread.start()
 
     def _new_group(self) -> SequenceGroup:
-        return SequenceGroup(self.decoder, self.config.batch)
+        """A group whose seeded rows keep their own chain length: a request's seed gives one text,
+        whichever requests share its batch (`BatchConfig.seeded_rows_keep_length`)."""
+        return SequenceGroup(self.decoder, replace(self.config.batch, seeded_rows_keep_length=True))
 
     # Public API ------------------------------------------------------------------------------------
     def submit(

@@ -54,11 +54,16 @@ class BatchConfig:
         length with the rule's other defaults (BASS: l_incre=2, l_mod=10, l_limit=32).
     batched_drafting: the pool's chains are drafted for the whole group at once (one SSM pass per
         chain position); False drafts sequence by sequence, as every other strategy does.
+    seeded_rows_keep_length: a row with a seed drafts the speculator's own chain length, not the
+        controller's: the controller's length follows the whole group, and with it the row's
+        random draws (SSM samples, acceptance tests) and so its text would depend on the rows
+        beside it. The serving engine sets it, so that a seed gives one text whatever the batch.
     """
 
     length_controller: str | None = "bass"
     length_settings: Mapping[str, int] | None = None
     batched_drafting: bool = True
+    seeded_rows_keep_length: bool = False
 
 
 class SequenceGroup:
@@ -80,6 +85,7 @@ class SequenceGroup:
         self.max_positions = decoder.max_positions
         self.keep_hidden = speculator.wants_hidden
         self.drafting = make_drafting(speculator, config.batched_drafting, decoder.calls, rows)
+        self.seeded_rows_keep_length = config.seeded_rows_keep_length
         self.controller = (  # one row keeps the speculator's own length (and controller)
             batch_length_controller(speculator, config.length_controller, config.length_settings)
             if rows > 1
@@ -119,14 +125,18 @@ class SequenceGroup:
 
     # 1. Draft ----------------------------------------------------------------------------------------
     def draft(self) -> None:
-        """Draft every row's tree; one chain length for all (ALGORITHMS.md section 7)."""
+        """Draft every row's tree; one chain length for all (ALGORITHMS.md section 7), but for
+        seeded rows when `BatchConfig.seeded_rows_keep_length`."""
         if self.keep_hidden:  # the strategy drafts from the state that chose the root: read prompts first
             with self.timer.phase("verify"):
                 self._read_prompts()
         depths = [row.max_depth(self.max_positions) for row in self.rows]
         length = self.controller.length() if self.controller is not None else None
+        lengths = [
+            None if self.seeded_rows_keep_length and row.seed is not None else length for row in self.rows
+        ]
         with self.timer.phase("draft"):
-            drafted = self.drafting.propose(self.rows, depths, length)
+            drafted = self.drafting.propose(self.rows, depths, lengths)
         self.chains = drafted if isinstance(drafted, ChainDraft) else None  # trees come with the verdicts
         for b, row in enumerate(self.rows):
             row.tree = None if self.chains is not None else drafted[b]

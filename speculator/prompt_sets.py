@@ -35,6 +35,8 @@ import datasets
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
+from specboost.speculator.bundled_data import bundled_prompts_dir
+
 logger = logging.getLogger(__name__)
 
 # Extension -> `datasets` packaged builder. A trailing ".gz" is allowed on any of them.
@@ -368,8 +370,8 @@ def load_prompts(source: PromptSource, tokenizer: PreTrainedTokenizerBase | None
 # ---------------------------------------------------------------------------------------------
 # Bundled prompt sets (data/prompts/, described in data/README.md)
 
-# The repository's data/prompts/ when running from a checkout (editable install).
-BUNDLED_PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+# data/prompts/: package data of specboost.data, so the same files from a wheel and a checkout.
+BUNDLED_PROMPTS_DIR = bundled_prompts_dir()
 # name -> (file, how to read a prompt / answer from it)
 BUNDLED_PROMPT_SETS: dict[str, tuple[str, dict[str, str]]] = {
     "bench": ("bench_prompts.txt", {}),

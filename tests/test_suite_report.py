@@ -5,11 +5,20 @@ speedups, the identical-output check and per-position acceptance."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from specboost.decoder.bench.markdown import fill_readme, markdown_report, markdown_table
+from specboost.decoder.bench.markdown import (
+    HEADLINE_MARKERS,
+    RESULTS_MARKERS,
+    fill_readme,
+    headline_markdown,
+    markdown_report,
+    markdown_table,
+    results_page,
+)
 from specboost.decoder.bench.protocol import Report
 from specboost.decoder.bench.records import Cell, CellRun, RunRecord, row_stats
 from specboost.decoder.bench.suite import SuiteConfig
@@ -243,22 +252,132 @@ def test_write_report_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert data["tables"][0]["rows"][0]["method"] == "plain"
 
 
-def test_the_readme_gets_the_report_between_its_markers_only(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    before = "# x\n\n## Benchmark results\n\nHow to run it.\n\n<!-- bench-suite: begin -->\n"
-    after = "<!-- bench-suite: end -->\n\n## Next\n"
-    readme.write_text(before + "old numbers\n" + after)
+RESULTS_BEFORE = "# Results\n\nHow to read them.\n\n<!-- bench-suite: begin -->\n"
+RESULTS_AFTER = "<!-- bench-suite: end -->\n\n## Other results\n"
+README_BEFORE = "# x\n\n## Results\n\nThe headline.\n\n<!-- bench-headline: begin -->\n"
+README_AFTER = "<!-- bench-headline: end -->\n\n## Next\n"
+
+
+def checkout(tmp_path: Path) -> tuple[Path, Path]:
+    """A README and its results page (docs/results.md beside it), each with old numbers between
+    its markers."""
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "results.md"
+    page.parent.mkdir(parents=True)
+    readme.write_text(README_BEFORE + "old headline\n" + README_AFTER)
+    page.write_text(RESULTS_BEFORE + "old numbers\n" + RESULTS_AFTER)
+    return readme, page
+
+
+def batch_run(decoding: str, greedy: bool) -> CellRun:
+    """Batch 2: plain batched generation against batched decoding."""
+    records = batch_records(0, 1.0, (0.2, 0.6)) + batch_records(1, 1.1, (0.3, 0.5))
+    return CellRun(Cell("stories", decoding, greedy, 2), BATCH_METHODS, records)
+
+
+def headline_report(tmp_path: Path) -> Report:
+    """Greedy and two sampled decodings at batch 1 (the learned scheduler greedy only), greedy and
+    the first sampled decoding at batch 2."""
+    learned = {**METHODS, "learned": "the learned scheduler"}
+
+    def runs(decoding: str, greedy: bool, with_learned: bool) -> CellRun:
+        rs = records()
+        if with_learned:
+            rs += [ours("learned", r.repeat, r.seconds * 1.5, MATCHES) for r in rs if r.method == "chain[0]"]
+        return CellRun(Cell("stories", decoding, greedy, 1), learned if with_learned else METHODS, rs)
+
+    t08, t1 = "sample(T=0.8, top_p=1)", "sample(T=1, top_p=1)"
+    cells = [runs("greedy", True, True), runs(t08, False, False), runs(t1, False, False)]
+    cells += [batch_run("greedy", True), batch_run(t08, False)]
+    report = suite_report(tmp_path, cells)
+    report.skipped = {f"{t08}, batch 1": {"learned": "no predictor"}, f"{t1}, batch 1": {"learned": "idem"}}
+    return report
+
+
+def test_readme_option_puts_the_full_report_on_the_results_page(tmp_path: Path) -> None:
+    readme, page = checkout(tmp_path)
+    assert results_page(readme) == page
     report = suite_report(tmp_path, cell_runs())
+    assert fill_readme(readme, report, Path("artifacts/bench-suite/tiny")) == page
+    text = page.read_text()
+    assert text.startswith(RESULTS_BEFORE) and text.endswith(RESULTS_AFTER) and "old numbers" not in text
+    assert "**Machine:** Test CPU" in text and "### greedy, batch 1" in text and "- x: `m`: why" in text
+    assert "`artifacts/bench-suite/tiny/report.md`" in text
+    assert "# specboost benchmark suite" not in text  # the report's own title is left out
+    assert "([ALGORITHMS.md](ALGORITHMS.md) section 13)" in text  # linked from docs/, beside it
+    assert "(docs/ALGORITHMS.md)" in markdown_report(report)  # report.md keeps the checkout's path
+    fill_readme(readme, report, Path("artifacts/bench-suite/tiny"))
+    assert page.read_text() == text  # idempotent
+
+
+def test_readme_option_regenerates_the_headline_table_into_the_readme(tmp_path: Path) -> None:
+    readme, page = checkout(tmp_path)
+    report = headline_report(tmp_path)
     fill_readme(readme, report, Path("artifacts/bench-suite/tiny"))
     text = readme.read_text()
-    assert text.startswith(before) and text.endswith(after) and "old numbers" not in text
-    assert "**Machine:** Test CPU" in text and "### greedy, batch 1" in text
-    assert "`artifacts/bench-suite/tiny/report.md`" in text
-    fill_readme(readme, report, Path("artifacts/bench-suite/tiny"))
-    assert readme.read_text() == text  # idempotent
+    assert text.startswith(README_BEFORE) and text.endswith(README_AFTER) and "old headline" not in text
+    assert "**Machine:** Test CPU" in text and "Fixture `tiny`" in text
+    assert "[The full results](docs/results.md)" in text
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert (
+        table[0] == "| decoding, batch | plain `generate` | best plain | best fixed speculative | learned |"
+    )
+    # Greedy and the first sampled decoding only, batch 1 then batch 2, in the report's order.
+    assert [row.split(" | ")[0] for row in table[1:]] == [
+        "| greedy, batch 1",
+        "| sample(T=0.8, top_p=1), batch 1",
+        "| greedy, batch 2",
+        "| sample(T=0.8, top_p=1), batch 2",
+    ]
+    greedy = table[1].split(" | ")
+    # plain: 12 tokens in 1.1 s (median); chain[0], the fastest fixed speculative row (HF assisted
+    # is not this decoder's), 12 in 0.45 s, per repeat 3.0, 2.22, 2.2x; the learned row takes 1.5x
+    # chain[0]'s time: 2.0, 1.48, 1.47x.
+    assert greedy[1] == "10.9 tokens/s" and greedy[2] == "`plain` 10.9 tokens/s, 1.00x"
+    assert greedy[3] == "`chain[0]` 26.7 tokens/s, 2.22x"
+    assert greedy[4] == "17.8 tokens/s, 1.48x |"
+    assert table[2].endswith("| not run |")  # skipped, with its reason on the results page
+    assert table[3].split(" | ")[3].startswith("`batched` ") and table[3].endswith("| - |")  # no row
+    assert "sample(T=1" not in "\n".join(table)  # on the results page only
+    assert "sample(T=1, top_p=1), batch 1" in page.read_text()
+    assert headline_markdown(report, "docs/results.md") in text  # the README holds what the code makes
+
+
+def test_readme_option_needs_both_marker_pairs_and_writes_nothing_without_them(tmp_path: Path) -> None:
+    report = suite_report(tmp_path, cell_runs())
+    readme, page = checkout(tmp_path)
     readme.write_text("# no markers\n")
-    with pytest.raises(ValueError, match="needs the lines"):
+    with pytest.raises(ValueError, match=re.escape(f"README.md needs the lines {HEADLINE_MARKERS[0]} and")):
         fill_readme(readme, report, Path("out"))
+    assert "old numbers" in page.read_text()  # the results page is left as it was
+    readme, page = checkout(tmp_path / "again")
+    page.write_text(RESULTS_BEFORE + RESULTS_BEFORE + RESULTS_AFTER)  # the begin line twice
+    with pytest.raises(ValueError, match=re.escape(f"results.md needs the lines {RESULTS_MARKERS[0]} and")):
+        fill_readme(readme, report, Path("out"))
+    assert "old headline" in readme.read_text()
+    page.write_text(RESULTS_AFTER + RESULTS_BEFORE)  # end before begin
+    with pytest.raises(ValueError, match="once each"):
+        fill_readme(readme, report, Path("out"))
+    page.unlink()
+    with pytest.raises(
+        FileNotFoundError, match=re.escape("results.md does not exist: --readme writes the full results")
+    ):
+        fill_readme(readme, report, Path("out"))
+
+
+def test_the_checkouts_readme_and_results_page_have_their_markers(tmp_path: Path) -> None:
+    """The real README carries the headline markers and the headline in the format the code writes
+    (its table header and legend); docs/results.md the full results' markers."""
+    root = Path(__file__).resolve().parents[1]
+    made = headline_markdown(headline_report(tmp_path), "docs/results.md").splitlines()
+    header, legend = next(line for line in made if line.startswith("| ")), made[-1]
+    assert header in (root / "README.md").read_text() and legend in (root / "README.md").read_text()
+    for path, markers in (
+        (root / "README.md", HEADLINE_MARKERS),
+        (root / "docs" / "results.md", RESULTS_MARKERS),
+    ):
+        text = path.read_text()
+        assert all(text.count(marker) == 1 for marker in markers), path
+        assert text.index(markers[0]) < text.index(markers[1])
 
 
 # Per-token latency at batch > 1 (BASS, ALGORITHMS.md section 11) ---------------------------------

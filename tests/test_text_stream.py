@@ -29,10 +29,19 @@ def test_pieces_add_up_to_the_text_cut_at_the_first_stop(text, cuts, stops):
     bounds = sorted({0, len(ids), *(min(c, len(ids)) for c in cuts)})
     stream = TextStream(TOKENIZER, stops)
     pieces = [stream.add(ids[a:b]) for a, b in itertools.pairwise(bounds)] + [stream.finish()]
-    first = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
+    # the stop completed first (earliest end, then earliest start): generation ends there
+    ends = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    first = min(ends)[1] if ends else len(text)
     assert "".join(pieces) == text[:first]
     assert stream.text == text[:first]
     assert stream.stopped == any(s in text for s in stops)
+
+
+def test_the_stop_completed_first_cuts_the_text_however_the_tokens_arrive():
+    # "dbd" starts before "b" but completes after it: generation ends at "b", chunks or not
+    for chunks in (["dbd"], ["db", "d"], ["d", "b", "d"]):
+        stream = TextStream(TOKENIZER, ["b", "dbd"])
+        assert "".join(stream.add(_ids(c)) for c in chunks) + stream.finish() == "d"
 
 
 def test_a_tail_that_may_become_a_stop_sequence_is_held_back():

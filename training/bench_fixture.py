@@ -61,7 +61,7 @@ class FixtureSpec:
         *("--do-sample", "--temperature", "0.8", "--num-samples", "4", "--top-k-probs", "64"),
     )
     # 1200 steps per round (3x the greedy pool's): a distribution is slower to fit than an argmax
-    # path; at 400 the measured TV at T = 0.8 was 0.39-0.43, at 1200 0.27-0.29 (README results).
+    # path; at 400 the measured TV at T = 0.8 was 0.39-0.43, at 1200 0.27-0.29 (docs/results.md).
     sampled_boost_flags: tuple[str, ...] = ("--max-steps", "1200", "--loss", "kl", "--boost-mode", "sampled")
 
 

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from importlib import metadata
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from specboost.training.launch import accelerate_launch
 from specboost.training.run_files import library_versions, write_json_atomic
 from specboost.training.ssm_setup import build_ssm, context_of
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = Path(str(files("specboost.training") / "configs"))  # package data
 PROCESSES = 2  # num_processes of the shipped DeepSpeed configs
 SSMS, STEPS = 2, 8  # boost rounds, and optimizer steps in each
 

@@ -34,11 +34,12 @@ from typing import Any
 import datasets
 import torch
 
+from specboost.speculator.bundled_data import bundled_corpus
 from specboost.training.boost import RECORD_FILE, setup
 from specboost.training.boost_config import BoostConfig
 from specboost.training.boost_data import training_examples
 from specboost.training.boost_scoring import add_hits, held_out_scores, output_hits
-from specboost.training.reference_llm import DEFAULT_CORPUS, find_corpus, load_corpus, pack_blocks
+from specboost.training.reference_llm import find_corpus, load_corpus, pack_blocks
 from specboost.training.run_files import library_versions, write_json_atomic
 from specboost.training.ssm_setup import build_ssm, context_of, load_ssm
 from specboost.training.ssm_training import train_round
@@ -79,8 +80,10 @@ def train_ssm(
 
 
 def compare(
-    boost_dir: Path, out: Path, steps: int | None = None, corpus: Path = DEFAULT_CORPUS
+    boost_dir: Path, out: Path, steps: int | None = None, corpus: Path | None = None
 ) -> dict[str, Any]:
+    """`corpus` defaults to the bundled corpus, which only a source checkout has."""
+    corpus = corpus if corpus is not None else bundled_corpus()
     record = json.loads((boost_dir / RECORD_FILE).read_text())
     rounds = record["rounds"]
     if not rounds:
@@ -205,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boost", type=Path, required=True, help="a finished boost run folder")
     p.add_argument("--out", type=Path, default=None, help="default: BOOST/compare-pool")
     p.add_argument("--steps", type=int, default=None, help="steps per SSM (default: the boost run's)")
-    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="raw corpus folder (train.jsonl[.gz])")
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="raw corpus folder, train.jsonl[.gz] (default: a checkout's)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     if a.threads is not None:

@@ -55,9 +55,9 @@ from transformers import (
 )
 
 from specboost.decoder.tiny_models import SPECIAL_TOKENS, fast_tokenizer
+from specboost.speculator.bundled_data import bundled_corpus
 from specboost.training.run_files import library_versions, write_json_atomic
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus"  # the repository's copy
 SPLIT_FILES = {"train": "train.jsonl*", "validation": "valid.jsonl*"}  # searched in every subfolder
 RECORD = "training_record.json"
 SAMPLE_PROMPT = "Once upon a time, there was a little girl who"
@@ -435,12 +435,14 @@ def make_record(
 def train_reference_llm(
     config: ReferenceLLMConfig,
     out: Path,
-    corpus_dir: Path = DEFAULT_CORPUS,
+    corpus_dir: Path | None = None,
     seed: int = 0,
     preset: str | None = None,
 ) -> dict[str, Any]:
-    """Train (or resume, or find already trained) the reference LLM; returns its training record."""
+    """Train (or resume, or find already trained) the reference LLM; returns its training record.
+    `corpus_dir` defaults to the bundled corpus, which only a source checkout has."""
     started = time.time()
+    corpus_dir = corpus_dir if corpus_dir is not None else bundled_corpus()
     # 1. Identify the run by config, seed and corpus files; skip it if it is already done.
     files = find_corpus(corpus_dir)
     identity = run_identity(
@@ -509,7 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train the reference LLM (tokenizer + Llama) on the corpus.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", type=Path, required=True, help="run folder; the model lands in OUT/model")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="has */train.jsonl.gz etc.")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="has */train.jsonl.gz etc. (default: a checkout's data/corpus)",
+    )
     parser.add_argument("--max-steps", type=int, default=None, help="override the preset's optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -521,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         train_reference_llm(config, args.out, args.corpus, args.seed, preset=args.preset)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -1,16 +1,34 @@
 """The harness's Markdown: the table of a cell group's summary rows (ranked, with the speedup per
-category), the suite's report (also the single-file bench's) and the README's results section."""
+category), the suite's report (also the single-file bench's), and what `specboost bench --suite ...
+--readme README.md` writes: the whole report into the results page beside the README
+(`results_page`: `<the README's folder>/docs/results.md`) and the headline table into the README."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from specboost.decoder.bench.protocol import Report
-from specboost.decoder.bench.summary import LATENCY_POINTS, PHASES, MethodRow, Spread, Table
+from specboost.decoder.bench.records import GREEDY
+from specboost.decoder.bench.summary import (
+    BEST_PLAIN,
+    HF_ASSISTED,
+    LATENCY_POINTS,
+    PHASES,
+    MethodRow,
+    Spread,
+    Table,
+)
 
-# The README's generated results go between these lines (in its "## Benchmark results" section).
-README_MARKERS = ("<!-- bench-suite: begin -->", "<!-- bench-suite: end -->")
+# `--readme README.md`: the report (without its title) goes between RESULTS_MARKERS on the results
+# page, `RESULTS_PAGE` relative to the README's folder; the headline table between HEADLINE_MARKERS
+# in the README. Each pair must stand in its file once, begin before end: nothing else is touched.
+RESULTS_MARKERS = ("<!-- bench-suite: begin -->", "<!-- bench-suite: end -->")
+HEADLINE_MARKERS = ("<!-- bench-headline: begin -->", "<!-- bench-headline: end -->")
+RESULTS_PAGE = Path("docs/results.md")
+ALGORITHMS_PAGE = Path("docs/ALGORITHMS.md")  # the metrics' definitions (section 13), linked
+LEARNED = "learned"  # the learned scheduler's row (strategy="learned"): its own headline column
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -105,18 +123,6 @@ def markdown_table(table: Table) -> str:
     return "\n".join([*lines, grid(["method", *categories], by_category)])
 
 
-def update_readme(readme: Path, body: str, source: str) -> None:
-    """Replace what stands between the README's two `README_MARKERS` with `body`, after a line
-    naming its `source`."""
-    text = readme.read_text()
-    begin, end = README_MARKERS
-    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise ValueError(f"{readme} needs the lines {begin} and {end}, once each, to put the results between")
-    head, rest = text.split(begin)
-    tail = rest.split(end)[1]
-    readme.write_text(f"{head}{begin}\n{source}\n\n{body}{end}{tail}")
-
-
 def draft_cost_line(table: Table, ssm_seconds: dict[str, list[float]]) -> str:
     """Per single-SSM chain row: its time per drafted token against a plain static-cache decoding
     step of that SSM alone (eager rows against eager, compiled against compiled)."""
@@ -182,10 +188,9 @@ def fixture_line(build: dict[str, Any] | None) -> str:
     )
 
 
-def markdown_report(report: Report, level: int = 1) -> str:
-    """The report: machine first, then one table per decoding and batch size, then what was skipped."""
-    c, h, params, models = report.config, "#" * level, report.models["parameters"], report.models
-    all_tables = report.tables()
+def models_line(report: Report) -> str:
+    """The models (fixture or given), the workloads and the timing protocol, in one sentence."""
+    c, params, models = report.config, report.models["parameters"], report.models
 
     def pool(info: dict[str, Any]) -> str:
         ssms = ", ".join(f"{p / 1e6:.2f}M" for p in info["parameters"]["ssms"])
@@ -198,23 +203,32 @@ def markdown_report(report: Report, level: int = 1) -> str:
         workloads = f"Workload: `{c.prompts}`, {c.prompts_per_category or 'all'} prompts"
     else:
         source = "held-out" if c.spec_bench is None else f"Spec-Bench (`{c.spec_bench}`)"
-        categories = ", ".join(all_tables[0].per_category)
+        categories = ", ".join(report.tables()[0].per_category)
         workloads = f"Workloads: {categories}; {c.prompts_per_category} {source} prompts per category"
+    return (
+        f"{'Models given' if report.fixture is None else f'Fixture `{c.fixture}`'}: "
+        f"LLM `{models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), {pools}. {workloads}, "
+        f"{c.max_new_tokens} new tokens; {c.repeats} repeats after {c.warmup} warm-up, methods interleaved."
+    )
+
+
+def markdown_report(report: Report, level: int = 1, algorithms: str = ALGORITHMS_PAGE.as_posix()) -> str:
+    """The report: machine first, then one table per decoding and batch size, then what was skipped.
+    `algorithms`: the link to ALGORITHMS.md from where the report is put."""
+    h, all_tables = "#" * level, report.tables()
+    wall = f"Suite wall time {report.seconds / 60:.1f} min; {fixture_line(report.fixture)}."
     lines = [
         f"{h} specboost benchmark suite",
         "",
         f"**Machine:** {machine_line(report.machine)}.",
         "",
-        f"{'Models given' if report.fixture is None else f'Fixture `{c.fixture}`'}: "
-        f"LLM `{models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), {pools}. {workloads}, "
-        f"{c.max_new_tokens} new tokens; {c.repeats} repeats after {c.warmup} warm-up, methods interleaved. "
-        f"Suite wall time {report.seconds / 60:.1f} min; {fixture_line(report.fixture)}.",
-        *(f"\n**Warning:** {note}." for note in models.get("notes", [])),
+        f"{models_line(report)} {wall}",
+        *(f"\n**Warning:** {note}." for note in report.models.get("notes", [])),
         "",
         "tokens/step = new tokens / LLM passes (the LLM's own token included: plain = 1.00); drafted/step = "
         "tree size; acceptance = accepted / drafted tokens; draft/verify/other = shares of the decoder's "
         "time; speedup = tokens/s over plain's (or the fastest HF assisted's) in the same repeat: median "
-        "(min-max) over repeats ([ALGORITHMS.md](docs/ALGORITHMS.md) section 13); ms/token (batch > 1, BASS) "
+        f"(min-max) over repeats ([ALGORITHMS.md]({algorithms}) section 13); ms/token (batch > 1, BASS) "
         "= a row's latency / its new tokens, of the first and the last row to finish and the batch mean: "
         "median over repeats (plain batched generation returns every row after the whole call). Greedy "
         "outputs must equal plain decoding's: a method that differs is flagged and not ranked.",
@@ -233,9 +247,115 @@ def markdown_report(report: Report, level: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fill_readme(readme: Path, report: Report, out: Path) -> None:
-    """The report, without its title, between the README's results markers."""
-    source = (
-        f"Generated by `specboost bench --suite` from `{out}/report.md` (plots and suite.json beside it)."
-    )
-    update_readme(readme, markdown_report(report, level=2).split("\n", 2)[2], source)
+def headline_tables(tables: list[Table]) -> list[Table]:
+    """The tables of the headline: greedy and the report's first sampled decoding, at every batch
+    size, in the report's order."""
+    sampled = next((t.decoding for t in tables if t.decoding != GREEDY.name), None)
+    return [t for t in tables if t.decoding in (GREEDY.name, sampled)]
+
+
+def fastest(table: Table, keep: Any) -> MethodRow | None:
+    """The best ranked row whose method `keep` accepts (None: no such row, or none ranked)."""
+    rows = [row for row in table.rows if row.rank is not None and keep(row.method)]
+    return min(rows, key=lambda row: row.rank, default=None)
+
+
+def speculative(method: str) -> bool:
+    """A fixed speculative row of this decoder: not plain decoding, not transformers' assisted
+    generation, not the learned scheduler."""
+    return method not in BEST_PLAIN and not method.startswith(HF_ASSISTED) and method != LEARNED
+
+
+def _speed(row: MethodRow) -> str:
+    return f"{row.tokens_per_second.median:.1f} tokens/s, {row.speedup_vs_plain.median:.2f}x"
+
+
+def _named(row: MethodRow | None) -> str:
+    return "-" if row is None else f"`{row.method}` {_speed(row)}"
+
+
+def _learned(table: Table, skipped: dict[str, dict[str, str]]) -> str:
+    row = next((r for r in table.rows if r.method == LEARNED), None)
+    if row is not None:
+        return _speed(row) if row.rank is not None else "output differs (not ranked)"
+    return "not run" if LEARNED in skipped.get(table.title, {}) else "-"
+
+
+def headline_markdown(report: Report, results_link: str) -> str:
+    """The README's headline: per decoding and batch size of `headline_tables`, plain `generate`,
+    the best plain decoding, the best fixed speculative row and the learned scheduler, with the
+    setting they were measured in; `results_link` leads to the full tables."""
+    rows = []
+    for table in headline_tables(report.tables()):
+        plain = table.row("plain")
+        rows.append(
+            [
+                table.title,
+                f"{plain.tokens_per_second.median:.1f} tokens/s",
+                _named(fastest(table, lambda m: m in BEST_PLAIN)),
+                _named(fastest(table, speculative)),
+                _learned(table, report.skipped),
+            ]
+        )
+    header = ["decoding, batch", "plain `generate`", "best plain", "best fixed speculative", "learned"]
+    lines = [
+        f"**Machine:** {machine_line(report.machine)}.",
+        "",
+        models_line(report),
+        "",
+        grid(header, rows),
+        "",
+        "tokens/s: median over repeats; x: speedup over plain `generate` in the same repeat, median over "
+        "repeats. Best plain: the fastest of `plain`, `plain_static` (static cache) and `plain_compiled` "
+        "(static cache, compiled). Best fixed speculative: the fastest of this decoder's rows with a fixed "
+        "strategy and shape (every row but plain decoding, HF assisted generation and the learned "
+        f"scheduler). -: no such row at this batch size. [The full results]({results_link}) have the "
+        "spread over repeats, every method, the speedup per category and why a method did not run.",
+    ]
+    if differing := report.differing():
+        names = ", ".join(f"`{name}`" for name in differing)
+        lines += ["", f"**Greedy output differs from plain decoding's (not ranked):** {names}."]
+    return "\n".join(lines) + "\n"
+
+
+def results_page(readme: Path) -> Path:
+    """Where `--readme README.md` puts the full results: `RESULTS_PAGE` in the README's folder."""
+    return readme.parent / RESULTS_PAGE
+
+
+def link(target: Path, page: Path) -> str:
+    """A relative Markdown link from `page` to `target`."""
+    return Path(os.path.relpath(target, page.parent)).as_posix()
+
+
+def between(path: Path, markers: tuple[str, str], source: str, body: str, what: str) -> str:
+    """`path`'s text with what stands between its two `markers` replaced by a line naming the
+    `source`, then `body`; `what` names the content in the errors."""
+    begin, end = markers
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: --readme writes {what} there, between the lines {begin} and {end}"
+        )
+    text = path.read_text()
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{path} needs the lines {begin} and {end}, once each, to put {what} between")
+    head, rest = text.split(begin)
+    tail = rest.split(end)[1]
+    return f"{head}{begin}\n{source}\n\n{body}{end}{tail}"
+
+
+def fill_readme(readme: Path, report: Report, out: Path) -> Path:
+    """The report, without its title, between the results markers of the results page beside the
+    README (`results_page`), and the headline table between the README's headline markers. Both
+    files are checked before either is written. Returns the results page."""
+    page = results_page(readme)
+    source = f"Generated by `specboost bench --suite` from `{out}/report.md`"
+    source += " (plots and suite.json beside it)."
+    algorithms = link(readme.parent / ALGORITHMS_PAGE, page)
+    body = markdown_report(report, level=2, algorithms=algorithms).split("\n", 2)[2]
+    results = between(page, RESULTS_MARKERS, source, body, "the full results")
+    headline = headline_markdown(report, link(page, readme))
+    front = between(readme, HEADLINE_MARKERS, source, headline, "the headline table")
+    page.write_text(results)
+    readme.write_text(front)
+    return page

@@ -285,8 +285,9 @@ class SuiteConfig(Protocol):
 
     # Writing ----------------------------------------------------------------------------------------
     def write(self, report: Report, out: Path, readme: Path | None = None) -> str:
-        """suite.json (bench.json for a prompt file), report.md and the plots into `out` (and the
-        results into the README); returns the report's Markdown."""
+        """suite.json (bench.json for a prompt file), report.md and the plots into `out`; with a
+        `readme`, also the whole report into the results page beside it (docs/results.md) and the
+        headline table into the README (`fill_readme`). Returns the report's Markdown."""
         text = markdown_report(report)
         report.write_json(out / ("suite.json" if self.prompts is None else "bench.json"))
         (out / "report.md").write_text(text)

@@ -8,9 +8,13 @@
 Every request becomes one engine request (`Engine.submit`): concurrent requests share the
 engine's ragged batches (Minions, BASS; ALGORITHMS.md sections 10-11), and its tokens come back
 a verification step at a time through a `TokenQueue`. A full queue answers 429 with
-Retry-After; a client that disconnects, or a request past `request_timeout`, cancels its engine
-request, which frees its batch row at the next round. Nothing from a request reaches a shell, a
-file path or model loading: it only ever becomes token ids and generation options.
+Retry-After. A client that disconnects (noticed as it happens, streamed or not), or a request
+past `request_timeout` (a whole answer: 504; a stream: ends with finish_reason "length"),
+cancels its engine request, which frees its batch row at the engine's next step. Prompts are
+tokenized (and chat templates applied) in a worker thread, so that a long prompt never holds up
+the event loop and the other requests on it. Every error, the framework's own included, is
+answered in OpenAI's format. Nothing from a request reaches a shell, a file path or model
+loading: it only ever becomes token ids and generation options.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from specboost.decoder.engine import Engine, EngineConfig, QueueFull, RequestHandle
 from specboost.decoder.loop import LoopParts
 from specboost.decoder.serve.config import ServerConfig
-from specboost.decoder.serve.gate import Gate, error_body
+from specboost.decoder.serve.gate import Gate, error_body, error_kind
 from specboost.decoder.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specboost.decoder.serve.protocol import (
     ChatCompletionRequest,
@@ -45,7 +50,6 @@ from specboost.decoder.serve.responses import ChatShapes, CompletionShapes, Shap
 from specboost.decoder.serve.text_stream import TextStream
 from specboost.decoder.serve.token_queue import END, TokenQueue
 
-POLL_SECONDS = 0.25  # how often a waiting handler checks for a gone client and its time limit
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "time": "length"}
 
 
@@ -61,6 +65,8 @@ class Generation:
     first_token: float | None = None
     finish_reason: str | None = None
     error: BaseException | None = None
+    timed_out: bool = False  # cancelled at the time limit
+    client_gone: bool = False  # cancelled because the client disconnected
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -109,7 +115,7 @@ class Server:
                 code="model_not_found",
                 param="model",
             )
-        ids = self.prompt_ids(body)
+        ids = await asyncio.to_thread(self.prompt_ids, body)
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         if len(ids) > config.max_prompt_tokens:
@@ -127,6 +133,11 @@ class Server:
                 events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
             )
         text = "".join([piece async for piece in self.run(generation, request)])
+        if generation.timed_out:
+            message = (
+                f"the request ran past this server's limit of {config.request_timeout} s (--request-timeout)"
+            )
+            return JSONResponse(error_body(message, "server_error", "request_timeout"), 504)
         if generation.error is not None:
             return JSONResponse(error_body(f"generation failed: {generation.error}", "server_error"), 500)
         return JSONResponse(shapes.whole(generation, text))
@@ -144,35 +155,34 @@ class Server:
         return Generation(handle, tokens, TextStream(self.tokenizer, body.stop_sequences), len(ids), arrived)
 
     async def run(self, generation: Generation, request: Request) -> AsyncIterator[str]:
-        """The request's text as it is accepted. It ends at the engine's end, at a stop sequence,
-        when the client has gone or at the time limit; the last three cancel the engine request."""
-        deadline = generation.arrived + self.config.request_timeout
+        """The request's text as it is accepted, up to the engine's end or a stop sequence. A
+        client that leaves, or the time limit, cancels the engine request at once (its row leaves
+        the batch at the engine's next step), which ends the text."""
+        loop = asyncio.get_running_loop()
+        left = generation.arrived + self.config.request_timeout - time.perf_counter()
+        limit = loop.call_later(max(0.0, left), _time_out, generation)
+        watch = asyncio.create_task(_cancel_when_gone(generation, request))
         try:
-            while True:
-                try:
-                    ids = await asyncio.wait_for(generation.tokens.get(), POLL_SECONDS)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    if time.perf_counter() > deadline:
-                        generation.finish_reason = "length"
-                        return
+            while (ids := await generation.tokens.get()) is not END:
+                if generation.text.stopped:
+                    # The engine ends at the step that completes a stop sequence too (the same stop
+                    # strings), and then counts the request completed; should it go on (its match
+                    # is on tokens, this one on text), it is cancelled here.
+                    generation.handle.cancel()
                     continue
-                if ids is END:
-                    break
                 if generation.first_token is None and ids:
                     generation.first_token = time.perf_counter()
                     self.metrics.time_to_first_token.observe(generation.first_token - generation.arrived)
                 if piece := generation.text.add(ids):
                     yield piece
-                if generation.text.stopped:
-                    generation.finish_reason = "stop"
-                    return
             if piece := generation.text.finish():
                 yield piece
             generation.finish_reason = "stop" if generation.text.stopped else self._engine_finish(generation)
-            self.metrics.latency.observe(time.perf_counter() - generation.arrived)
+            if not generation.client_gone:
+                self.metrics.latency.observe(time.perf_counter() - generation.arrived)
         finally:
+            limit.cancel()
+            watch.cancel()
             generation.handle.cancel()  # frees the row if it is still running; a no-op once finished
 
     @staticmethod
@@ -203,6 +213,20 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
+def _time_out(generation: Generation) -> None:
+    generation.timed_out = generation.handle.cancel()  # False: it had finished in time after all
+
+
+async def _cancel_when_gone(generation: Generation, request: Request) -> None:
+    """Wait for the client to disconnect, then cancel its engine request. The body has been read,
+    so the next message is the disconnect (it comes at once once the answer is complete, when
+    this watch is no longer running)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
+    generation.client_gone = True
+    generation.handle.cancel()
+
+
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -225,15 +249,33 @@ def create_app(
     app = FastAPI(title="specboost", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(
-        Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, requests=server.metrics.requests
+        Gate,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        requests=server.metrics.requests,
+        routes=app.routes,
     )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        errors = error.errors()
+        fields = [".".join(str(p) for p in e["loc"][1:]) for e in errors]
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors()
+            f"{field or 'body'}: {e['msg']}" for field, e in zip(fields, errors, strict=True)
         )
-        return JSONResponse(error_body(problems, "invalid_request_error"), status_code=400)
+        param = fields[0] if fields and fields[0] else None
+        return JSONResponse(error_body(problems, "invalid_request_error", param=param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def framework_error(request: Request, error: HTTPException) -> JSONResponse:
+        """The framework's own errors (an unknown route, a wrong method, a body it cannot parse)."""
+        message = str(error.detail)
+        if error.status_code in (404, 405):
+            message = f"{message}: {request.method} {request.url.path}"
+        elif error.__cause__ is not None:  # why the body could not be parsed: bad UTF-8, nesting ...
+            message = f"{message}: {error.__cause__}"
+        body = error_body(message, error_kind(error.status_code))
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, error: RequestError) -> JSONResponse:
@@ -245,7 +287,8 @@ def create_app(
     async def health() -> JSONResponse:
         failed = server.engine.failed if server.engine is not None else None
         if failed is not None:
-            return JSONResponse({"status": "failed", "error": repr(failed)}, status_code=503)
+            body = error_body(f"the engine failed: {failed!r}", "server_error", "engine_failed")
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -17,9 +17,10 @@ class ServerConfig:
     max_prompt_tokens: longer prompts (after the chat template) get 400.
     max_tokens_limit: the most `max_tokens` a request may ask for (more: 400).
     default_max_tokens: `max_tokens` when a request gives none.
-    request_timeout: seconds from arrival after which a request is ended (its row freed) and
-        answered with what it has, finish_reason "length".
-    retry_after: seconds a 429 (queue full) tells the client to wait."""
+    request_timeout: seconds from arrival after which a request is ended (its row freed): a
+        stream ends with finish_reason "length", a whole answer is a 504 error.
+    retry_after: seconds a 429 (queue full) tells the client to wait.
+    shutdown_timeout: seconds open requests get to finish once the server is told to stop."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -31,6 +32,7 @@ class ServerConfig:
     default_max_tokens: int = 256
     request_timeout: float = 600.0
     retry_after: int = 1
+    shutdown_timeout: int = 5
 
     def __post_init__(self) -> None:
         limits = {
@@ -40,6 +42,7 @@ class ServerConfig:
             "default_max_tokens": self.default_max_tokens,
             "request_timeout": self.request_timeout,
             "retry_after": self.retry_after,
+            "shutdown_timeout": self.shutdown_timeout,
         }
         if bad := [f"{name}={value}" for name, value in limits.items() if value <= 0]:
             raise ValueError(f"server limits must be positive, got {', '.join(bad)}")

@@ -6,15 +6,22 @@ choices (`n` > 1, `best_of` > 1), log-probabilities, `echo`, `logit_bias`, prese
 frequency penalties, tools. Unknown fields are refused the same way. `top_k` is an extension
 field (vLLM's spelling). Unset sampling fields fall back to the LLM's own generation_config, as
 `SpeculativeDecoder.generate` resolves them; `temperature: 0` means greedy decoding.
+
+Values that would only fail deeper down are refused here, naming their field: numbers that are
+not finite (JSON's `NaN`, `Infinity`), text holding a lone surrogate (JSON can escape one,
+`"\\ud800"`, but it is not Unicode text and no tokenizer takes it), and seeds torch cannot take.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+# Seeds are OpenAI's int64, non-negative: torch's generators take seeds below 2**64, and the SSMs'
+# streams are seeded a little above the request's (`speculator.speculation.ssm_generator`).
+SEED_LIMIT = 2**63
 
 
 class RequestError(ValueError):
@@ -30,7 +37,7 @@ class RequestError(ValueError):
 class GenerationFields(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -38,7 +45,7 @@ class GenerationFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
@@ -48,6 +55,14 @@ class GenerationFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _unicode_text(cls, value: Any) -> Any:
+        """Every field, of either endpoint, nested text (messages, content parts) included."""
+        if _holds_lone_surrogate(value):
+            raise ValueError("the text holds a lone surrogate (\\ud800-\\udfff): send valid Unicode")
+        return value
 
     @model_validator(mode="after")
     def _supported(self) -> GenerationFields:
@@ -157,6 +172,19 @@ class ChatCompletionRequest(GenerationFields):
             extra = {k: v for k, v in (message.model_extra or {}).items() if isinstance(v, str)}
             out.append({"role": message.role, "content": message.text(), **extra})
         return out
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Whether `value` (JSON: text, lists, objects) holds a string UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(_holds_lone_surrogate(v) for v in value)
 
 
 def requested_max_tokens(request: GenerationFields, default: int, limit: int) -> int:

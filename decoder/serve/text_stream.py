@@ -46,10 +46,7 @@ class TextStream:
     def _release(self, final: bool) -> str:
         text = self._decoded()
         end = len(text)
-        cut = min(
-            (i for s in self.stop if (i := text.find(s, max(0, self.sent - len(s) + 1))) >= 0), default=-1
-        )
-        if cut >= 0:
+        if (cut := first_stop(text, self.stop, self.sent)) is not None:
             end, self.stopped = cut, True
         elif not final:
             while end > self.sent and text[end - 1] == REPLACEMENT:
@@ -58,6 +55,16 @@ class TextStream:
         end = max(end, self.sent)
         piece, self.sent = text[self.sent : end], end
         return piece
+
+
+def first_stop(text: str, stops: Sequence[str], sent: int = 0) -> int | None:
+    """Where `text` ends at its first stop sequence, or None. The first is the one *completed*
+    first, as generation ends there (the engine stops at the token that completes a stop string);
+    of those completed at the same place, the one starting earliest. So the cut does not depend on
+    how the tokens arrived: a longer stop that starts earlier but would complete later never
+    completes. Only stops ending after the `sent` characters already released can be new."""
+    found = [(i + len(s), i) for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
+    return min(found)[1] if found else None
 
 
 def _held(text: str, stop: str) -> int:
