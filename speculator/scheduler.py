@@ -7,35 +7,128 @@ predictor's grid. A joint choice c = (c_1..c_k) is scored as
     score(c) = expected tokens / expected time
              = (1 + max_i f_i(c_i | h)) / (L_verify(1 + sum_i b_i d_i) + sum_i L_speculate_i(c_i))
 
-- f_i(c_i | h): the predictor's expected match length of SSM i's tree, given h (0 for "sits out");
-  the merged tree's match is at least the best SSM's, so max_i f_i is the estimate (a lower bound);
-  the 1 is the token the LLM adds every step;
+- f_i(c_i | h): the predictor's expected match length of SSM i's tree, given h (0 for "sits out"),
+  times SSM i's online correction at depth d_i (`OnlineCalibration`, section 5.1); the merged
+  tree's match is at least the best SSM's, so max_i f_i is the estimate (a lower bound); the 1 is
+  the token the LLM adds every step;
 - L_verify of the merged tree's size (an upper bound: merging shares prefixes) and the SSMs'
   speculation times, which add up when the SSMs draft one after another; a pool stacked into one
   model drafts every SSM in the same passes, so it costs the slowest launched SSM's time times the
   profile's `pool_factor` (one stacked step over one SSM's step) instead.
 "No SSM" scores 1 / L_verify(1): plain decoding, so the scheduler never speculates where it
 expects to lose. The cost of every joint choice is precomputed once; per step the work is one
-MLP forward and an argmax over at most `max_joint_choices` choices. Pools too large to enumerate
-choose per SSM (each SSM's best score alone), as SpecInfer states the rule.
+MLP forward, one product with the [SSM, grid] correction and an argmax over at most
+`max_joint_choices` choices. Pools too large to enumerate choose per SSM (each SSM's best score
+alone), as SpecInfer states the rule.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.drafter import PoolDrafter
+from specboost.speculator.majority import count_per_ssm
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.tree import DraftKind, TokenTree, merge_trees
 
 SITS_OUT = None
+SCALE_RANGE = (0.1, 2.0)  # a correction beyond it says more about a few odd steps than the predictor
+IDLE_DECAY = 0.95  # per step, of evidence not renewed (an SSM that sat out): half-life ~13.5 steps
+DEPTH_PRIOR = 2.0  # predicted tokens of pseudo-evidence at its SSM's scale behind each depth's scale
+
+
+class _Choice(NamedTuple):
+    """The last predicted choice, kept for `observe`."""
+
+    options: list[int]  # option index per SSM (0: sits out)
+    match: torch.Tensor  # [S, grid] the predictor's raw estimates
+    max_depth: int
+
+
+class OnlineCalibration:
+    """The predictor's estimates corrected per SSM and per depth by what the LLM accepted
+    (ALGORITHMS.md section 5.1): a predictor trained on other text, or an SSM that is bad on this
+    workload (or swapped for a bad one), is found out by its own drafts, not averaged with the pool.
+
+    Evidence, as decayed sums A (accepted) and P (predicted), from every step's launched SSMs:
+    - per SSM i: its own match m_i (the accepted nodes its draft passes through) against f_i of
+      its chosen (b_i, d_i), clipped to the tokens still wanted;
+    - per SSM i and depth d <= min(d_i, tokens wanted): min(m_i, d), what the first d levels of
+      its draft matched, against f_i(b_i, d): one draft also measures every shallower depth.
+    Scales: s_i = (A_i + 1) / (P_i + 1), a prior of one pseudo-step at scale 1 that never decays,
+    and s_id = (A_id + k s_i) / (P_id + k) with k = DEPTH_PRIOR, shrunk toward s_i (a depth never
+    measured takes s_i), both clipped to SCALE_RANGE. Evidence renewed in a step decays by
+    `momentum`; evidence not renewed (an SSM that sat out, depths deeper than its draft) by
+    IDLE_DECAY, so a discarded SSM's scale drifts back to the prior and it is tried again later.
+
+    A few [S] and [S, D] arrays: numpy on the host, where ops on tiny arrays cost ~1 us (torch's
+    several), and one copy of the [S, grid] scales to the predictor's device per step.
+    """
+
+    def __init__(
+        self, num_ssms: int, widths: int, depths: tuple[int, ...], momentum: float, device: torch.device
+    ) -> None:
+        self.widths, self.momentum, self.device = widths, momentum, device
+        self.depths = np.asarray(depths, dtype=np.float64)  # [D]
+        self._ssm = np.arange(num_ssms)
+        self._grid_depth = np.tile(np.arange(len(depths)), widths)  # depth index of each grid entry
+        # Column -1 holds the per-SSM sums A_i, P_i; columns 0..D-1 the per-depth A_id, P_id.
+        self.accepted = np.zeros((num_ssms, len(depths) + 1))  # [S, D + 1]
+        self.predicted = np.zeros((num_ssms, len(depths) + 1))  # [S, D + 1]
+        # One step's evidence, in the same layout (reused buffers).
+        self._renewed = np.zeros((num_ssms, len(depths) + 1), dtype=bool)
+        self._new_accepted = np.zeros((num_ssms, len(depths) + 1))
+        self._new_predicted = np.zeros((num_ssms, len(depths) + 1))
+        self.grid = self.grid_scales()
+
+    def ssm_scales(self) -> np.ndarray:
+        """s_i [S]: accepted / predicted match of each SSM's drafts, with the prior."""
+        return _clip((self.accepted[:, -1] + 1) / (self.predicted[:, -1] + 1))
+
+    def depth_scales(self) -> np.ndarray:
+        """s_id [S, D]: each depth's own ratio, shrunk toward its SSM's s_i."""
+        prior = DEPTH_PRIOR * self.ssm_scales()[:, None]
+        return _clip((self.accepted[:, :-1] + prior) / (self.predicted[:, :-1] + DEPTH_PRIOR))
+
+    def grid_scales(self) -> torch.Tensor:
+        """s_id per predictor output [S, widths * depths] (b major), on the predictor's device."""
+        grid = self.depth_scales()[:, self._grid_depth].astype(np.float32)
+        return torch.from_numpy(grid).to(self.device)
+
+    def update(self, choice: _Choice, matched: list[int]) -> None:
+        """Add one step's evidence: `matched[i]`, the accepted nodes of SSM i's draft."""
+        renewed, accepted, predicted = self._renewed, self._new_accepted, self._new_predicted
+        option = np.asarray(choice.options)  # [S]
+        # The chosen (b_i, d_i) as indices into widths and depths (0 and 0 for an SSM that sat out).
+        b_index, d_index = np.divmod(np.maximum(option - 1, 0), len(self.depths))
+        grid = choice.match.detach().float().cpu().numpy().reshape(len(option), self.widths, -1)
+        np.minimum(grid[self._ssm, b_index], choice.max_depth, out=predicted[:, :-1])  # f_i(b_i, d)
+        predicted[:, -1] = predicted[self._ssm, d_index]  # f_i(b_i, d_i)
+        accepted[:, -1] = matched  # m_i
+        np.minimum(accepted[:, -1:], self.depths, out=accepted[:, :-1])  # min(m_i, d)
+        reach = np.minimum(self.depths[d_index], choice.max_depth) * (option > 0)  # [S]; 0: sat out
+        np.less_equal(self.depths, reach[:, None], out=renewed[:, :-1])
+        renewed[:, -1] = option > 0
+        decay = np.where(renewed, self.momentum, IDLE_DECAY)
+        self.accepted *= decay
+        self.accepted += accepted * renewed
+        self.predicted *= decay
+        self.predicted += predicted * renewed
+        self.grid = self.grid_scales()
+
+
+def _clip(scale: np.ndarray) -> np.ndarray:
+    """`scale` clipped to SCALE_RANGE, in place (np.clip costs twice as much on tiny arrays)."""
+    return np.minimum(np.maximum(scale, SCALE_RANGE[0], out=scale), SCALE_RANGE[1], out=scale)
 
 
 class LearnedScheduler:
@@ -69,9 +162,13 @@ class LearnedScheduler:
         self._precompute_costs(cost_model)
         if calibration is not None and not 0 <= calibration < 1:
             raise ValueError(f"calibration is a momentum in [0, 1) (or None: off), got {calibration}")
-        self.calibration = calibration
-        # Running sums of accepted and predicted match lengths (one pseudo-step of prior: scale 1).
-        self._accepted_sum, self._predicted_sum = 1.0, 1.0
+        # The online correction persists across `generate` calls: it measures the predictor and the
+        # SSMs on this workload, not on one sequence.
+        self.calibration = (
+            None
+            if calibration is None
+            else OnlineCalibration(self.num_ssms, len(c.widths), c.depths, calibration, self._f.device)
+        )
         self.reset(None)
 
     def _precompute_costs(self, cost: CostModel) -> None:
@@ -111,37 +208,35 @@ class LearnedScheduler:
     def reset(self, seed: int | None) -> None:
         self.drafter.reset()
         self.history: list[list[tuple[int, int] | None]] = []
-        self.scales: list[float] = []
-        self._predicted: float | None = None  # predicted match of the last launched choice
+        self.scale_history: list[list[float]] = []  # per observed step: s_i per SSM
+        self._last: _Choice | None = None  # the last predicted choice, for `observe`
         self.decision_seconds = 0.0
         self.step_seconds = 0.0
         self._last_step_start: float | None = None
 
     @property
-    def scale(self) -> float:
-        """Online calibration: accepted / predicted match lengths over recent steps. A predictor
-        trained on other text over- or under-estimates everywhere alike; scaling its predictions
-        by what the LLM actually accepts corrects that within a few steps."""
+    def ssm_scales(self) -> list[float]:
+        """Each SSM's online correction s_i (section 5.1; all 1 when calibration is off)."""
         if self.calibration is None:
-            return 1.0
-        return min(2.0, max(0.1, self._accepted_sum / self._predicted_sum))
+            return [1.0] * self.num_ssms
+        return self.calibration.ssm_scales().tolist()
 
     def choose(self, request: DraftRequest) -> list[tuple[int, int] | None]:
         """(b, d) or SITS_OUT per SSM for the next step."""
-        self._predicted = None
+        self._last = None
         if request.hidden is None:  # no LLM state yet (one-token prompt): the fixed fallback for all
             return [(self.fallback.width, self.fallback.depth)] * self.num_ssms
         with torch.inference_mode():
             match = self._predict(request.hidden)  # [S, grid]
-            choice = self.best(match, request.max_depth, self.scale)
-            launched = [match[i, o - 1] for i, o in enumerate(choice) if o > 0]
-        self._predicted = min(float(max(launched)), request.max_depth) if launched else None
+            scale = 1.0 if self.calibration is None else self.calibration.grid
+            choice = self.best(match, request.max_depth, scale)
+        self._last = _Choice(choice, match, request.max_depth)
         return [self.options[o] for o in choice]
 
-    def best(self, match: torch.Tensor, max_depth: int, scale: float = 1.0) -> list[int]:
+    def best(self, match: torch.Tensor, max_depth: int, scale: torch.Tensor | float = 1.0) -> list[int]:
         """Option indices (0: sits out) of the choice with the most expected tokens per second,
-        given expected match lengths [S, grid] in the predictor's output order (kept lean: it runs
-        every step)."""
+        given expected match lengths [S, grid] in the predictor's output order and their
+        corrections `scale` ([S, grid] or one number); kept lean: it runs every step."""
         f = self._f
         torch.mul(match, scale, out=f[:, 1:])  # option 0 (sits out) stays 0
         if max_depth < self._max_option_depth:  # near the end: no match beyond the tokens wanted
@@ -170,24 +265,25 @@ class LearnedScheduler:
         return trees[0] if len(trees) == 1 else merge_trees(trees)
 
     def observe(self, feedback: StepFeedback) -> None:
-        """Update the calibration with what the LLM accepted of a predicted draft. It persists
-        across `generate` calls: it measures the predictor on this workload, not on one sequence."""
-        if self.calibration is None or self._predicted is None:
+        """Correct the predictor per SSM with what the LLM accepted of each SSM's draft (section
+        5.1); greedy or sampled, the accepted path is what the SSM's draft earned."""
+        if self.calibration is None or self._last is None:
             return
-        momentum = self.calibration
-        self._accepted_sum = momentum * self._accepted_sum + len(feedback.accepted)
-        self._predicted_sum = momentum * self._predicted_sum + self._predicted
-        self.scales.append(self.scale)
+        start = time.perf_counter()
+        matched = count_per_ssm(feedback.tree, feedback.accepted)
+        self.calibration.update(self._last, [matched[i] for i in range(self.num_ssms)])
+        self.scale_history.append(self.ssm_scales)
+        self.decision_seconds += time.perf_counter() - start  # the scheduler's own time, as `choose`
 
     def report(self) -> dict:
-        """Choices per step and the scheduler's own share of the decoding time."""
+        """Choices per step, the per-SSM corrections and the scheduler's own share of the decoding time."""
         steps = len(self.history)
         launched = [sum(option is not SITS_OUT for option in step) for step in self.history]
         return {
             "strategy": "learned",
             "choices": [[None if o is None else list(o) for o in step] for step in self.history],
             "mean_ssms_launched": sum(launched) / steps if steps else 0.0,
-            "calibration_scale": self.scales,
+            "calibration_scale": self.scale_history,  # per observed step: s_i per SSM
             "decision_seconds": self.decision_seconds,
             # Time between the first and the last propose call: all steps but the last.
             "overhead_fraction": self.decision_seconds / self.step_seconds if self.step_seconds else 0.0,

@@ -3,6 +3,7 @@ lossless decoding with it."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -15,10 +16,12 @@ from datasets import Dataset
 from specboost.decoder import SpeculativeDecoder
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
+from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
-from specboost.speculator.scheduler import LearnedScheduler
+from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
+from specboost.speculator.scheduler import IDLE_DECAY, LearnedScheduler
 from specboost.speculator.speculation import DraftRequest, StepFeedback
-from specboost.speculator.tree import TokenTree
+from specboost.speculator.tree import DraftKind, TokenTree
 from specboost.training.predictor_data import DATA_DIR, METADATA_FILE
 from specboost.training.train_predictor import TrainPredictorConfig, train_predictor
 
@@ -224,7 +227,7 @@ def test_calibration_learns_that_the_predictor_overestimates() -> None:
             break
         scheduler.observe(StepFeedback(tree, [], 1e-3))
     assert scheduler.choose(request()) == [None]
-    assert scheduler.scale < 0.3
+    assert scheduler.ssm_scales[0] < 0.3
 
 
 def test_training_command_reports_missing_labels(tmp_path: Path, capsys) -> None:
@@ -250,3 +253,147 @@ def test_a_stacked_pool_costs_its_slowest_ssm_scaled_not_the_sum() -> None:
     assert additive.drafter.stacked and stacked_cost.pool_factor == pytest.approx(1.5)
     assert additive.seconds[choice] == pytest.approx(1e-3 + 0.4e-3 + 0.8e-3)
     assert stacked.seconds[choice] == pytest.approx(1e-3 + 1.5 * 0.8e-3)
+
+
+# Online correction per SSM (ALGORITHMS.md section 5.1) -----------------------------------------
+# verify: 1 ms + 0.25 ms per extra token; SSM 0 is predicted a little better than SSM 1 everywhere.
+VERIFY = [1e-3 + 0.25e-3 * (n - 1) for n in (1, 2, 4, 8, 16)]
+SPECULATE = {"1,1": 0.1e-3, "1,4": 0.4e-3, "2,1": 0.2e-3, "2,4": 0.8e-3}
+FAVOURS_SSM_0 = [[[0.9, 3.5], [0.95, 3.6]], [[0.8, 3.0], [0.85, 3.1]]]
+ONLY_SSM_0, ONLY_SSM_1 = [(1, 4), None], [None, (1, 4)]
+
+
+def greedy_acceptance(tree: TokenTree, continuation: list[int]) -> list[int]:
+    """The nodes greedy verification accepts: the path of the LLM's own continuation in the tree."""
+    accepted, node = [], 0
+    for token in continuation:
+        child = tree.child_with_token(node, token)
+        if child is None:
+            break
+        accepted.append(child)
+        node = child
+    return accepted
+
+
+def test_correction_moves_to_another_ssm_when_the_favoured_one_is_swapped_for_a_bad_one() -> None:
+    """Issue 28's test: real drafts of a pool of two perfect SSMs (copies of the LLM) verified
+    greedily; after 4 steps SSM 0, the predictor's favourite, is replaced by a random model. Within
+    a few steps the scheduler launches SSM 1 alone. One scale for the whole pool cannot do this:
+    it multiplies both SSMs' estimates alike, so SSM 0's stays the larger."""
+    llm = tiny_llama(layers=2, seed=0)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    reference = llm.generate(prompt, max_new_tokens=60, do_sample=False)[0].tolist()
+    scheduler = LearnedScheduler(
+        [copy.deepcopy(llm), copy.deepcopy(llm)],
+        constant_predictor(FAVOURS_SSM_0),
+        cost_table(2, VERIFY, SPECULATE),
+    )
+    greedy, position, choices = LogitsToProbs(SamplingConfig()), prompt.shape[1], []
+    for step in range(12):
+        if step == 4:
+            scheduler.drafter = PoolDrafter([tiny_llama(layers=2, seed=7), copy.deepcopy(llm)])
+        wanted = DraftRequest(reference[:position], len(reference) - position, greedy, torch.zeros(32))
+        tree = scheduler.propose(wanted)
+        accepted = greedy_acceptance(tree, reference[position:])
+        scheduler.observe(StepFeedback(tree, accepted, 1e-3))
+        choices.append(scheduler.history[-1])
+        position += len(accepted) + 1
+    assert choices[:5] == [ONLY_SSM_0] * 5  # good, then not yet found out
+    switched = choices.index(ONLY_SSM_1)
+    assert switched <= 4 + 5 and ONLY_SSM_0 not in choices[switched:]  # found out within 5 steps
+    scale_0, scale_1 = scheduler.ssm_scales
+    assert scale_0 < 0.75 and scale_1 > 1.2  # SSM 1's drafts match more than predicted
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_decoding_with_a_bad_favourite_moves_to_the_good_ssm(do_sample: bool) -> None:
+    """Through the decoder: SSM 0, predicted best, drafts wrong tokens from the start; after its
+    first draft the scheduler launches SSM 1 (a copy of the LLM) instead. Greedy, the output is
+    still the LLM's own; sampled, SSM 1's drafts are accepted by chance (the LLM's logits are made
+    peaked so that most are) and the correction learns from that acceptance alike."""
+    llm = tiny_llama(layers=2, seed=0)
+    with torch.no_grad():
+        llm.lm_head.weight.mul_(100)
+    ssms = [tiny_llama(layers=2, seed=7), copy.deepcopy(llm)]
+    predictor, cost = constant_predictor(FAVOURS_SSM_0), cost_table(2, VERIFY, SPECULATE)
+    decoder = SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=40, do_sample=do_sample, seed=0)
+    if not do_sample:
+        assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
+    choices = [[None if o is None else tuple(o) for o in step] for step in out.stats.strategy["choices"]]
+    assert choices[0] == ONLY_SSM_0 and choices[1] == ONLY_SSM_1
+    assert all(ssm_0 is None for ssm_0, _ in choices[1:])
+    scales = out.stats.strategy["calibration_scale"]  # per observed step, per SSM
+    assert len(scales) == len(choices) and scales[-1][0] < 0.5 < 0.9 < scales[-1][1]
+
+
+def test_per_ssm_and_per_depth_scales_after_one_step() -> None:
+    """Hand-computed: SSM 0 drafts a (1, 4) chain predicted to match 3.5 tokens and 0.9 at depth 1;
+    2 of its tokens are accepted; SSM 1 sits out.
+    s_0 = (2 + 1) / (3.5 + 1); depth 1: min(2, 1) = 1 against 0.9, depth 4: 2 against 3.5, each
+    with 2 predicted tokens at s_0 of prior: (1 + 2 s_0) / (0.9 + 2), (2 + 2 s_0) / (3.5 + 2)."""
+    scheduler = LearnedScheduler(
+        [tiny_llama(layers=1), tiny_llama(layers=1, seed=1)],
+        constant_predictor(FAVOURS_SSM_0),
+        cost_table(2, VERIFY, SPECULATE),
+    )
+    assert scheduler.choose(request()) == ONLY_SSM_0
+    tree = TokenTree.root_only(3, DraftKind.BEAM)
+    nodes = tree.add_sequence([5, 6, 7, 8], ssm=0)
+    scheduler.observe(StepFeedback(tree, nodes[:2], 1e-3))
+    s_0 = 3 / 4.5
+    assert scheduler.ssm_scales == pytest.approx([s_0, 1.0])
+    expected = [[(1 + 2 * s_0) / 2.9, (2 + 2 * s_0) / 5.5], [1.0, 1.0]]
+    np.testing.assert_allclose(scheduler.calibration.depth_scales(), expected)
+    # The choice uses them: 3.5 x 0.606 = 2.1 tokens from SSM 0 < 3.0 from SSM 1.
+    assert scheduler.choose(request()) == ONLY_SSM_1
+    assert scheduler.report()["calibration_scale"] == [pytest.approx([s_0, 1.0])]
+
+
+def test_an_ssm_that_sits_out_drifts_back_to_the_prior_and_is_retried() -> None:
+    """One SSM that matches nothing: speculation stops after one step. While it sits out, its
+    evidence decays by IDLE_DECAY per step, s = (A d^n + 1) / (P d^n + 1), so the scheduler tries
+    it again later (a cheap depth-1 draft first); a frozen scale never would."""
+    scheduler = LearnedScheduler(
+        [tiny_llama(layers=1)],
+        constant_predictor([[[0.9, 3.5], [0.95, 3.6]]]),
+        cost_table(1, VERIFY, SPECULATE),
+    )
+    nothing = StepFeedback(TokenTree.root_only(0, DraftKind.BEAM), [], 1e-3)
+    assert scheduler.choose(request()) == [(1, 4)]
+    scheduler.observe(nothing)
+    assert scheduler.ssm_scales == pytest.approx([1 / 4.5])
+    idle, choice = 0, scheduler.choose(request())
+    while choice == [None] and idle < 100:
+        scheduler.observe(nothing)
+        idle += 1
+        assert scheduler.ssm_scales == pytest.approx([1 / (3.5 * IDLE_DECAY**idle + 1)])
+        choice = scheduler.choose(request())
+    # Each depth's evidence (0 accepted of 0.9 and 3.5 predicted) decays alike, toward s_0.
+    decayed, s_0 = IDLE_DECAY**idle, scheduler.ssm_scales[0]
+    expected = [[2 * s_0 / (0.9 * decayed + 2), 2 * s_0 / (3.5 * decayed + 2)]]
+    np.testing.assert_allclose(scheduler.calibration.depth_scales(), expected)
+    # Retried once depth 1's 0.9 x s_01 (s_01 = 0.396 after 21 steps) pays its extra 0.35 ms.
+    assert choice == [(1, 1)] and idle == 21
+
+
+def test_a_predictor_that_overrates_deep_drafts_moves_to_a_shallow_one() -> None:
+    """Every draft matches its first token only, where the predictor promises 3.5 of 4. Its depth-4
+    drafts also measure depth 1 (1 of 0.9 predicted), so the scheduler moves to depth-1 drafts, which
+    pay; one scale per SSM would multiply depth 1's 0.9 by ~0.3 too and stop speculating."""
+    scheduler = LearnedScheduler(
+        [tiny_llama(layers=1)],
+        constant_predictor([[[0.9, 3.5], [0.95, 3.6]]]),
+        cost_table(1, VERIFY, SPECULATE),
+    )
+    choices = []
+    for _ in range(8):
+        (choice,) = scheduler.choose(request())
+        choices.append(choice)
+        tree = TokenTree.root_only(3, DraftKind.BEAM)
+        drafted = tree.add_sequence([5, 6, 7, 8][: choice[1] if choice else 0], ssm=0)
+        scheduler.observe(StepFeedback(tree, drafted[:1], 1e-3))
+    assert choices == [(1, 4)] + [(1, 1)] * 7
+    depth_1, depth_4 = scheduler.calibration.depth_scales()[0]
+    assert depth_1 > 1 > 0.7 > depth_4
