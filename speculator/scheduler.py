@@ -16,10 +16,13 @@ predictor's grid. A joint choice c = (c_1..c_k) is scored as
   model drafts every SSM in the same passes, so it costs the slowest launched SSM's time times the
   profile's `pool_factor` (one stacked step over one SSM's step) instead.
 "No SSM" scores 1 / L_verify(1): plain decoding, so the scheduler never speculates where it
-expects to lose. The cost of every joint choice is precomputed once; per step the work is one
-MLP forward, one product with the [SSM, grid] correction and an argmax over at most
-`max_joint_choices` choices. Pools too large to enumerate choose per SSM (each SSM's best score
-alone), as SpecInfer states the rule.
+expects to lose. The verify and drafting seconds of every joint choice are precomputed once, apart,
+and scored as v x verify + g x drafting, v and g being the measured over the profiled time of the
+recent steps' verification and drafting (`CostCorrection`, section 5.2): a profile taken on a
+quiet machine does not mislead on a busy one. Per step the work is one MLP forward, one product
+with the [SSM, grid] correction, an argmax over at most `max_joint_choices` choices and, after the
+step, one multiply-add over their [C] costs. Pools too large to enumerate choose per SSM (each
+SSM's best score alone), as SpecInfer states the rule.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ SITS_OUT = None
 SCALE_RANGE = (0.1, 2.0)  # a correction beyond it says more about a few odd steps than the predictor
 IDLE_DECAY = 0.95  # per step, of evidence not renewed (an SSM that sat out): half-life ~13.5 steps
 DEPTH_PRIOR = 2.0  # predicted tokens of pseudo-evidence at its SSM's scale behind each depth's scale
+# Measured over profiled seconds beyond it says the profile is of another machine: profile again.
+COST_RANGE = (0.25, 4.0)
 
 
 class _Choice(NamedTuple):
@@ -52,6 +57,7 @@ class _Choice(NamedTuple):
     options: list[int]  # option index per SSM (0: sits out)
     match: torch.Tensor  # [S, grid] the predictor's raw estimates
     max_depth: int
+    profiled: tuple[float, float] | None = None  # its (verify, drafting) seconds as profiled (5.2)
 
 
 class OnlineCalibration:
@@ -131,6 +137,44 @@ def _clip(scale: np.ndarray) -> np.ndarray:
     return np.minimum(np.maximum(scale, SCALE_RANGE[0], out=scale), SCALE_RANGE[1], out=scale)
 
 
+class CostCorrection:
+    """The hardware profile's costs corrected by measured step times (ALGORITHMS.md section 5.2).
+
+    One factor on every cost would not change the choice (the score is tokens / seconds), but a
+    machine busy elsewhere slows the LLM and the SSMs by different amounts, which does. So the
+    verification and the drafting of a step are corrected apart: decayed sums of the measured
+    seconds M and of what the profile predicted for the same steps P, and
+    v = (M_v + p_v) / (P_v + p_v), g = (M_g + p_g) / (P_g + p_g), clipped to COST_RANGE. The priors
+    are one pseudo-step at factor 1 that never decays: p_v = L_verify(1), a plain step, and p_g =
+    the cheapest profiled draft. A step's sums decay by `momentum` before its seconds are added; a
+    step that drafted nothing is verify evidence only, and its drafting sums decay by IDLE_DECAY,
+    so that g drifts back to 1 while the scheduler decodes plainly and drafting is tried again.
+    Four host floats: plain Python arithmetic, a few us per step.
+    """
+
+    def __init__(self, momentum: float, verify_prior: float, draft_prior: float) -> None:
+        self.momentum = momentum
+        self.prior = (verify_prior, draft_prior)  # p_v, p_g in seconds
+        self.measured = [0.0, 0.0]  # M_v, M_g: decayed sums of measured seconds
+        self.profiled = [0.0, 0.0]  # P_v, P_g: the same steps' seconds as profiled
+        self.factors = (1.0, 1.0)  # v, g
+
+    def update(self, measured: tuple[float, float], profiled: tuple[float, float]) -> tuple[float, float]:
+        """Add one step's (verify, drafting) seconds, measured and as profiled; returns (v, g)."""
+        mu, (sums_m, sums_p) = self.momentum, (self.measured, self.profiled)
+        sums_m[0], sums_p[0] = mu * sums_m[0] + measured[0], mu * sums_p[0] + profiled[0]
+        if profiled[1] > 0:
+            sums_m[1], sums_p[1] = mu * sums_m[1] + measured[1], mu * sums_p[1] + profiled[1]
+        else:  # drafted nothing: no drafting evidence, the old fades
+            sums_m[1], sums_p[1] = IDLE_DECAY * sums_m[1], IDLE_DECAY * sums_p[1]
+        low, high = COST_RANGE
+        self.factors = tuple(
+            min(max((m + p) / (q + p), low), high)
+            for m, q, p in zip(self.measured, self.profiled, self.prior, strict=True)
+        )
+        return self.factors
+
+
 class LearnedScheduler:
     """A Speculator: predicted match lengths + measured costs -> per-step (b, d) per SSM."""
 
@@ -144,6 +188,7 @@ class LearnedScheduler:
         fallback: BeamShape | None = None,
         max_joint_choices: int = 1 << 16,
         calibration: float | None = 0.9,
+        cost_correction: float | None = 0.9,
     ) -> None:
         c = predictor.config
         if c.num_ssms != len(ssms) or cost_model.num_ssms != len(ssms):
@@ -160,8 +205,9 @@ class LearnedScheduler:
         self.options: list[tuple[int, int] | None] = [SITS_OUT] + [(b, d) for b in c.widths for d in c.depths]
         self.joint = (len(self.options) ** self.num_ssms) <= max_joint_choices
         self._precompute_costs(cost_model)
-        if calibration is not None and not 0 <= calibration < 1:
-            raise ValueError(f"calibration is a momentum in [0, 1) (or None: off), got {calibration}")
+        for name, momentum in (("calibration", calibration), ("cost_correction", cost_correction)):
+            if momentum is not None and not 0 <= momentum < 1:
+                raise ValueError(f"{name} is a momentum in [0, 1) (or None: off), got {momentum}")
         # The online correction persists across `generate` calls: it measures the predictor and the
         # SSMs on this workload, not on one sequence.
         self.calibration = (
@@ -169,10 +215,22 @@ class LearnedScheduler:
             if calibration is None
             else OnlineCalibration(self.num_ssms, len(c.widths), c.depths, calibration, self._f.device)
         )
+        # Also persistent: it measures this machine's load, not one sequence. The priors (section
+        # 5.2): a plain step's verification and the cheapest draft, floored against a zero profile.
+        self.costs = (
+            None
+            if cost_correction is None
+            else CostCorrection(
+                cost_correction,
+                max(float(cost_model.verify_time(1)), 1e-9),
+                max(float(self._spec_host[:, 1:].min()), 1e-9),
+            )
+        )
         self.reset(None)
 
     def _precompute_costs(self, cost: CostModel) -> None:
-        """Time of every joint choice (or, per SSM, of every option alone)."""
+        """Time of every joint choice (or, per SSM, of every option alone), its verify and drafting
+        seconds kept apart for the online correction (section 5.2)."""
         spec = torch.tensor(
             [
                 [0.0] + [cost.speculate_time(i, b, d) for b, d in self.options[1:]]
@@ -181,20 +239,28 @@ class LearnedScheduler:
             dtype=torch.float64,
         )  # [S, O]
         size = torch.tensor([0] + [b * d for b, d in self.options[1:]], dtype=torch.float64)  # [O]
+        # A stacked pool drafts every SSM in the same passes: its slowest SSM's time, scaled.
+        factor = cost.pool_factor if self.drafter.stacked else None
         if self.joint:
             choices = torch.tensor(list(itertools.product(range(len(self.options)), repeat=self.num_ssms)))
             tokens = 1 + size[choices].sum(-1)
             drafting = spec.gather(1, choices.T)  # [S, C]
-            # A stacked pool drafts every SSM in the same passes: its slowest SSM's time, scaled.
-            factor = cost.pool_factor if self.drafter.stacked else None
-            drafting = drafting.sum(0) if factor is None else drafting.amax(0) * factor
-            seconds = torch.as_tensor(cost.verify_time(tokens.numpy())) + drafting
+            drafting = drafting.sum(0) if factor is None else drafting.amax(0) * factor  # [C]
+            verify = torch.as_tensor(cost.verify_time(tokens.numpy()))  # [C]
             self.choices = choices  # [C, S] option index per SSM
         else:
-            seconds = torch.as_tensor(cost.verify_time((1 + size).numpy()))[None] + spec  # [S, O]
-        self.seconds = seconds.float()
+            verify = torch.as_tensor(cost.verify_time((1 + size).numpy()))[None]  # [1, O]
+            drafting = spec  # [S, O]
         device = self.predictor.input_mean.device
-        self.seconds = self.seconds.to(device)
+        self.seconds = (verify + drafting).float().to(device)  # [C] or [S, O]: what `best` divides by
+        self._verify_cost = verify.float().to(device)
+        self._draft_cost = drafting.float().to(device)
+        # On the host, for the profiled seconds of each step's choice (section 5.2): per joint choice
+        # a lookup, per SSM computed from the table.
+        self._spec_host, self._size_host, self._pool_factor = spec.numpy(), size.numpy(), factor
+        self._verify_time = cost.verify_time
+        if self.joint:
+            self._profiled_host = torch.stack([verify, drafting], 1).numpy()  # [C, 2]: verify, drafting
         if self.joint:
             self.choices = self.choices.to(device)
             self._choices_t = self.choices.T.contiguous()  # [S, C]
@@ -209,7 +275,9 @@ class LearnedScheduler:
         self.drafter.reset()
         self.history: list[list[tuple[int, int] | None]] = []
         self.scale_history: list[list[float]] = []  # per observed step: s_i per SSM
+        self.cost_history: list[list[float]] = []  # per observed step: [v, g] (section 5.2)
         self._last: _Choice | None = None  # the last predicted choice, for `observe`
+        self._drafting: float | None = None  # measured drafting seconds of the last `propose`
         self.decision_seconds = 0.0
         self.step_seconds = 0.0
         self._last_step_start: float | None = None
@@ -221,17 +289,38 @@ class LearnedScheduler:
             return [1.0] * self.num_ssms
         return self.calibration.ssm_scales().tolist()
 
+    @property
+    def cost_factors(self) -> tuple[float, float]:
+        """(v, g): measured over profiled verify and drafting time (section 5.2; 1 when off)."""
+        return (1.0, 1.0) if self.costs is None else self.costs.factors
+
     def choose(self, request: DraftRequest) -> list[tuple[int, int] | None]:
         """(b, d) or SITS_OUT per SSM for the next step."""
-        self._last = None
+        self._last, self._drafting = None, None
         if request.hidden is None:  # no LLM state yet (one-token prompt): the fixed fallback for all
             return [(self.fallback.width, self.fallback.depth)] * self.num_ssms
         with torch.inference_mode():
             match = self._predict(request.hidden)  # [S, grid]
             scale = 1.0 if self.calibration is None else self.calibration.grid
             choice = self.best(match, request.max_depth, scale)
-        self._last = _Choice(choice, match, request.max_depth)
+        profiled = None if self.costs is None else self.profiled_seconds(choice)
+        self._last = _Choice(choice, match, request.max_depth, profiled)
         return [self.options[o] for o in choice]
+
+    def profiled_seconds(self, options: list[int]) -> tuple[float, float]:
+        """The profile's (verify, drafting) seconds of a step launching `options` (option index per
+        SSM), as the joint choice's are precomputed (the per-SSM path scores each SSM alone, but the
+        step verifies and drafts what they launched together)."""
+        if self.joint:  # the index of the choice in itertools.product's order: SSM 0 most significant
+            index = 0
+            for option in options:
+                index = index * len(self.options) + option
+            verify, drafting = self._profiled_host[index].tolist()
+            return verify, drafting
+        option = np.asarray(options)  # [S]
+        spec = self._spec_host[np.arange(len(option)), option]  # [S]
+        drafting = spec.sum() if self._pool_factor is None else spec.max() * self._pool_factor
+        return float(self._verify_time(1 + self._size_host[option].sum())), float(drafting)
 
     def best(self, match: torch.Tensor, max_depth: int, scale: torch.Tensor | float = 1.0) -> list[int]:
         """Option indices (0: sits out) of the choice with the most expected tokens per second,
@@ -255,28 +344,38 @@ class LearnedScheduler:
         self.decision_seconds += time.perf_counter() - now
         self.history.append(chosen)
         shapes = [None if option is SITS_OUT else BeamShape(*option) for option in chosen]
-        trees = [
-            tree
-            for tree in self.drafter.draft(request.verified, shapes, request.probs, request.max_depth)
-            if tree
-        ]
+        start = time.perf_counter()
+        drafts = self.drafter.draft(request.verified, shapes, request.probs, request.max_depth)
+        self._drafting = time.perf_counter() - start  # the measured drafting time, for section 5.2
+        trees = [tree for tree in drafts if tree]
         if not trees:
             return TokenTree.root_only(request.verified[-1], DraftKind.BEAM)
         return trees[0] if len(trees) == 1 else merge_trees(trees)
 
     def observe(self, feedback: StepFeedback) -> None:
         """Correct the predictor per SSM with what the LLM accepted of each SSM's draft (section
-        5.1); greedy or sampled, the accepted path is what the SSM's draft earned."""
-        if self.calibration is None or self._last is None:
+        5.1); greedy or sampled, the accepted path is what the SSM's draft earned. Correct the costs
+        with the step's measured verify and drafting seconds (section 5.2); a step not drafted by
+        `propose` (a caller of `choose` alone) has no measured drafting and corrects no cost."""
+        if self._last is None or (self.calibration is None and self.costs is None):
             return
         start = time.perf_counter()
-        matched = count_per_ssm(feedback.tree, feedback.accepted)
-        self.calibration.update(self._last, [matched[i] for i in range(self.num_ssms)])
-        self.scale_history.append(self.ssm_scales)
+        if self.calibration is not None:
+            matched = count_per_ssm(feedback.tree, feedback.accepted)
+            self.calibration.update(self._last, [matched[i] for i in range(self.num_ssms)])
+            self.scale_history.append(self.ssm_scales)
+        if self.costs is not None:
+            if self._drafting is not None:
+                v, g = self.costs.update((feedback.verify_seconds, self._drafting), self._last.profiled)
+                # seconds = v x verify + g x drafting, fused on the predictor's device: [C] or [S, O].
+                torch.mul(self._draft_cost, g, out=self.seconds).add_(self._verify_cost, alpha=v)
+                self._drafting = None
+            self.cost_history.append(list(self.costs.factors))
         self.decision_seconds += time.perf_counter() - start  # the scheduler's own time, as `choose`
 
     def report(self) -> dict:
-        """Choices per step, the per-SSM corrections and the scheduler's own share of the decoding time."""
+        """Choices per step, the per-SSM and cost corrections and the scheduler's own share of the
+        decoding time."""
         steps = len(self.history)
         launched = [sum(option is not SITS_OUT for option in step) for step in self.history]
         return {
@@ -284,6 +383,7 @@ class LearnedScheduler:
             "choices": [[None if o is None else list(o) for o in step] for step in self.history],
             "mean_ssms_launched": sum(launched) / steps if steps else 0.0,
             "calibration_scale": self.scale_history,  # per observed step: s_i per SSM
+            "cost_factors": self.cost_history,  # per observed step: [v, g] (verify, drafting)
             "decision_seconds": self.decision_seconds,
             # Time between the first and the last propose call: all steps but the last.
             "overhead_fraction": self.decision_seconds / self.step_seconds if self.step_seconds else 0.0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,11 +16,13 @@ from datasets import Dataset
 
 from specboost.decoder import SpeculativeDecoder
 from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.speculator import scheduler as scheduler_module
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
 from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
-from specboost.speculator.scheduler import IDLE_DECAY, LearnedScheduler
+from specboost.speculator.scheduler import COST_RANGE, IDLE_DECAY, LearnedScheduler
+from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.tree import DraftKind, TokenTree
 from specboost.training.predictor_data import DATA_DIR, METADATA_FILE
@@ -279,7 +282,8 @@ def test_correction_moves_to_another_ssm_when_the_favoured_one_is_swapped_for_a_
     """Issue 28's test: real drafts of a pool of two perfect SSMs (copies of the LLM) verified
     greedily; after 4 steps SSM 0, the predictor's favourite, is replaced by a random model. Within
     a few steps the scheduler launches SSM 1 alone. One scale for the whole pool cannot do this:
-    it multiplies both SSMs' estimates alike, so SSM 0's stays the larger."""
+    it multiplies both SSMs' estimates alike, so SSM 0's stays the larger. (The profile is made up,
+    so the correction of the costs by the drafting time measured here (5.2) is off.)"""
     llm = tiny_llama(layers=2, seed=0)
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
     reference = llm.generate(prompt, max_new_tokens=60, do_sample=False)[0].tolist()
@@ -287,6 +291,7 @@ def test_correction_moves_to_another_ssm_when_the_favoured_one_is_swapped_for_a_
         [copy.deepcopy(llm), copy.deepcopy(llm)],
         constant_predictor(FAVOURS_SSM_0),
         cost_table(2, VERIFY, SPECULATE),
+        cost_correction=None,
     )
     greedy, position, choices = LogitsToProbs(SamplingConfig()), prompt.shape[1], []
     for step in range(12):
@@ -317,6 +322,7 @@ def test_decoding_with_a_bad_favourite_moves_to_the_good_ssm(do_sample: bool) ->
     ssms = [tiny_llama(layers=2, seed=7), copy.deepcopy(llm)]
     predictor, cost = constant_predictor(FAVOURS_SSM_0), cost_table(2, VERIFY, SPECULATE)
     decoder = SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost)
+    decoder.speculator.costs = None  # a made-up profile: keep its costs (no correction by time, 5.2)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     out = decoder.generate(prompt, max_new_tokens=40, do_sample=do_sample, seed=0)
     if not do_sample:
@@ -397,3 +403,152 @@ def test_a_predictor_that_overrates_deep_drafts_moves_to_a_shallow_one() -> None
     assert choices == [(1, 4)] + [(1, 1)] * 7
     depth_1, depth_4 = scheduler.calibration.depth_scales()[0]
     assert depth_1 > 1 > 0.7 > depth_4
+
+
+# Online correction of the costs (ALGORITHMS.md section 5.2) -------------------------------------
+class ClockedDrafter:
+    """Drafts nothing, but takes `seconds(shapes)` on the fake clock the scheduler reads: the
+    measured drafting time of a step is exactly what the test says."""
+
+    stacked = False
+
+    def __init__(self, clock: list[float], seconds) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, verified: list[int], shapes: list[BeamShape | None], probs, max_depth: int) -> list[None]:
+        self.clock[0] += self.seconds(shapes)
+        return [None] * len(shapes)
+
+
+def profiled_drafting(shapes: list[BeamShape | None], speculate: dict[str, float]) -> float:
+    return sum(speculate[f"{shape.width},{shape.depth}"] for shape in shapes if shape is not None)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The scheduler's `time.perf_counter`, advanced only by a ClockedDrafter."""
+    now = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def timed_scheduler(
+    clock: list[float], predictor, cost: CostModel, seconds, cost_correction: float | None = 0.9, **kwargs
+) -> LearnedScheduler:
+    """A scheduler (match-length correction off: only the costs move) drafting `seconds(shapes)`."""
+    ssms = [tiny_llama(layers=1, seed=i) for i in range(cost.num_ssms)]
+    scheduler = LearnedScheduler(
+        ssms, predictor, cost, calibration=None, cost_correction=cost_correction, **kwargs
+    )
+    scheduler.drafter = ClockedDrafter(clock, seconds)
+    return scheduler
+
+
+def timed_step(scheduler: LearnedScheduler, verify_seconds: float) -> list[tuple[int, int] | None]:
+    """One step: propose (drafting on the clock), then the LLM's verification took `verify_seconds`."""
+    tree = scheduler.propose(request())
+    scheduler.observe(StepFeedback(tree, [], verify_seconds))
+    return scheduler.history[-1]
+
+
+def test_drafting_slower_than_profiled_moves_to_plain_decoding(clock: list[float]) -> None:
+    """A profile taken on a quiet machine: here drafting takes 10x its profiled time, verification
+    as profiled (a flat 1 ms). On the profile's numbers a (1, 4) chain pays, (1 + 1.0) / 1.4 ms
+    against plain decoding's 1 / 1 ms; at g = 4 (the most COST_RANGE allows) no draft does. After
+    one step the corrected scheduler decodes plainly; without the correction it keeps drafting.
+    While it decodes plainly g's evidence fades (IDLE_DECAY), g = (4 x + 0.1) / (0.4 x + 0.1) with
+    x = 0.95^n, and a (1, 1) draft, which pays at g < 3, is tried again after n = 52 steps."""
+    predictor = constant_predictor([[[0.3, 1.0], [0.35, 1.1]]])
+    cost = cost_table(1, [1e-3] * 5, SPECULATE)
+
+    def busy(shapes: list[BeamShape | None]) -> float:
+        return 10 * profiled_drafting(shapes, SPECULATE)
+
+    corrected = timed_scheduler(clock, predictor, cost, busy)
+    uncorrected = timed_scheduler(clock, predictor, cost, busy, cost_correction=None)
+    assert [timed_step(corrected, 1e-3) for _ in range(6)] == [[(1, 4)]] + [[None]] * 5
+    assert [timed_step(uncorrected, 1e-3) for _ in range(6)] == [[(1, 4)]] * 6
+    assert corrected.cost_factors == (1.0, COST_RANGE[1])  # verification exactly as profiled
+    report = corrected.report()
+    assert len(report["cost_factors"]) == 6 and report["cost_factors"][0] == [1.0, COST_RANGE[1]]
+    assert uncorrected.report()["cost_factors"] == [] and uncorrected.cost_factors == (1.0, 1.0)
+    idle = 5
+    while timed_step(corrected, 1e-3) == [None]:
+        idle += 1
+    assert corrected.history[-1] == [(1, 1)] and idle == 52
+
+
+def test_verification_slower_than_profiled_moves_to_longer_drafts(clock: list[float]) -> None:
+    """The opposite: the LLM's verification takes 3x its profiled (flat) 1 ms, drafting as profiled,
+    so drafting is cheap next to the verification it saves. On the profile's numbers a (1, 1) draft
+    is best, (1 + 0.9) / 1.5 ms against (1 + 2) / 3 ms for (1, 4); at v = 2.3 (two steps of
+    evidence: (3 mu + 3 + 1) / (mu + 1 + 1)) the (1, 4) chain is, 3 / 4.3 ms against 1.9 / 2.8 ms."""
+    speculate = {"1,1": 0.5e-3, "1,4": 2e-3, "2,1": 1e-3, "2,4": 4e-3}
+    predictor = constant_predictor([[[0.9, 2.0], [0.95, 2.1]]])
+    cost = cost_table(1, [1e-3] * 5, speculate)
+
+    def as_profiled(shapes: list[BeamShape | None]) -> float:
+        return profiled_drafting(shapes, speculate)
+
+    corrected = timed_scheduler(clock, predictor, cost, as_profiled)
+    uncorrected = timed_scheduler(clock, predictor, cost, as_profiled, cost_correction=None)
+    assert [timed_step(corrected, 3e-3) for _ in range(6)] == [[(1, 1)]] * 2 + [[(1, 4)]] * 4
+    assert [timed_step(uncorrected, 3e-3) for _ in range(6)] == [[(1, 1)]] * 6
+    v, g = corrected.cost_factors
+    assert v > 2.5 and g == pytest.approx(1.0)
+
+
+def test_cost_factors_after_two_steps_and_a_plain_one(clock: list[float]) -> None:
+    """Hand-computed (mu = 0.9; priors p_v = L_verify(1) = 1 ms, p_g = the cheapest draft, 0.1 ms).
+    Step 1 drafts a (1, 4) chain, profiled 2 ms to verify (5 tokens) and 0.4 ms to draft; measured
+    3 ms and 1 ms: v = (3 + 1) / (2 + 1), g = (1 + 0.1) / (0.4 + 0.1). Step 2, the same chain,
+    measured 2 ms and 0.4 ms: v = (0.9 * 3 + 2 + 1) / (0.9 * 2 + 2 + 1), g = (0.9 * 1 + 0.4 + 0.1) /
+    (0.9 * 0.4 + 0.4 + 0.1). A plain step (1 ms, as profiled) is verify evidence only; the drafting
+    sums decay by IDLE_DECAY. Every choice's seconds are v x verify + g x drafting."""
+    drafting = iter([1e-3, 0.4e-3])
+    predictor = constant_predictor([[[0.9, 3.5], [0.95, 3.6]]])
+    scheduler = timed_scheduler(clock, predictor, cost_table(1, VERIFY, SPECULATE), lambda _: next(drafting))
+    assert scheduler.profiled_seconds([scheduler.options.index((1, 4))]) == pytest.approx((2e-3, 0.4e-3))
+    assert timed_step(scheduler, 3e-3) == [(1, 4)]
+    assert scheduler.cost_factors == pytest.approx((4 / 3, 1.1 / 0.5))
+    assert timed_step(scheduler, 2e-3) == [(1, 4)]
+    assert scheduler.cost_factors == pytest.approx((5.7 / 4.8, 1.4 / 0.86))
+    assert scheduler.report()["cost_factors"] == [
+        pytest.approx([4 / 3, 2.2]),
+        pytest.approx([5.7 / 4.8, 1.4 / 0.86]),
+    ]
+    v, g = scheduler.cost_factors
+    expected = [
+        v * verify + g * draft
+        for verify, draft in map(scheduler.profiled_seconds, scheduler.choices.tolist())
+    ]
+    torch.testing.assert_close(scheduler.seconds, torch.tensor(expected, dtype=torch.float32))
+    # measured verify sums: 0.9 * 4.7 + 1, profiled 0.9 * 3.8 + 1; drafting 1.3 and 0.76, decayed.
+    v, g = scheduler.costs.update((1e-3, 0.0), scheduler.profiled_seconds([0]))
+    assert (v, g) == pytest.approx((6.23 / 5.42, (0.95 * 1.3 + 0.1) / (0.95 * 0.76 + 0.1)))
+    with pytest.raises(ValueError, match="cost_correction is a momentum"):
+        timed_scheduler(
+            clock, predictor, cost_table(1, VERIFY, SPECULATE), lambda _: 0.0, cost_correction=1.0
+        )
+
+
+def test_cost_correction_in_the_per_ssm_path(clock: list[float]) -> None:
+    """A pool too large to enumerate (here: max_joint_choices=1) chooses per SSM; the step's profiled
+    seconds are of what it launched together: both SSMs' (1, 4) chains, verified as 9 tokens (3 ms)
+    and drafted one after the other (0.8 ms). Measured 6 ms and 0.8 ms: v = (6 + 1) / (3 + 1), g = 1;
+    each SSM's option costs v x L_verify(1 + b d) + g x L_speculate(b, d)."""
+    scheduler = timed_scheduler(
+        clock,
+        constant_predictor(FAVOURS_SSM_0),
+        cost_table(2, VERIFY, SPECULATE),
+        lambda shapes: profiled_drafting(shapes, SPECULATE),
+        max_joint_choices=1,
+    )
+    assert not scheduler.joint and timed_step(scheduler, 6e-3) == [(1, 4), (1, 4)]
+    assert scheduler.cost_factors == pytest.approx((7 / 4, 1.0))
+    verify = torch.tensor([VERIFY[0]] + [VERIFY[0] + 0.25e-3 * b * d for b, d in scheduler.options[1:]])
+    spec = torch.tensor([0.0] + [SPECULATE[f"{b},{d}"] for b, d in scheduler.options[1:]])
+    torch.testing.assert_close(scheduler.seconds, (7 / 4 * verify + spec).expand(2, -1).float())
