@@ -10,7 +10,9 @@ and the model's forward), so that the mask is built inside the graph. On CUDA wi
 generated kernels without a Python wrapper per kernel (a small model's forward is dominated by that
 wrapper otherwise). Prompts and other long passes run eagerly (`COMPILED_MAX_NODES`). A graph is
 compiled the first time its shape is met: call `SpeculativeDecoder.warmup` to pay that before timing
-anything.
+anything. A strategy whose shapes vary from step to step (the learned scheduler: a beam (b, d) or
+nothing per SSM and step) registers every shape it can produce (`expect_passes`), and they are all
+compiled the first time a cache of some rows and capacity meets the call (`CompiledPass`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from specboost.speculator.kv_cache import ModelCall, tree_pass
+from specboost.speculator.kv_cache import (
+    COMPILED_MAX_CHAIN,
+    COMPILED_MAX_NODES,
+    CompiledPass,
+    PassShape,
+    node_bucket,
+    tree_pass,
+)
+from specboost.speculator.scheduler import LearnedScheduler
+from specboost.speculator.speculation import Speculator
 
 CompileSetting = bool | Literal["auto"]
 # Graphs per compiled call: row buckets x node buckets x capacities in use. dynamo's default of 8
@@ -57,21 +68,66 @@ class ModelCalls:
     def __init__(self, device: torch.device, enabled: bool = False) -> None:
         self.enabled = enabled
         self.device = device
-        self._calls: dict[int, ModelCall] = {}
+        self._calls: dict[int, CompiledPass] = {}
         if enabled:
             check_can_compile(device)
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
             config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, ACCUMULATED_LIMIT)
 
-    def get(self, model: PreTrainedModel) -> ModelCall | None:
+    def get(self, model: PreTrainedModel) -> CompiledPass | None:
         if not self.enabled:
             return None
         if id(model) not in self._calls:
-            self._calls[id(model)] = torch.compile(
-                own_code(tree_pass), fullgraph=False, dynamic=False, **compile_options(model.device)
+            self._calls[id(model)] = CompiledPass(
+                torch.compile(
+                    own_code(tree_pass), fullgraph=False, dynamic=False, **compile_options(model.device)
+                )
             )
         return self._calls[id(model)]
+
+    def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
+        """Register the pass shapes of the learned scheduler (ALGORITHMS.md section 5) with the
+        compiled calls of the LLM and of its SSMs; other strategies' shapes hardly vary, and their
+        warm-up generation meets them. Every beam of the scheduler's grid (and its fallback) may be
+        cut to any shallower depth near the end of a sequence, and any SSM may sit a step out."""
+        if not self.enabled or not isinstance(speculator, LearnedScheduler):
+            return
+        fallback = speculator.fallback
+        grid = {*speculator.options[1:], (fallback.width, fallback.depth)}
+        beams = {(b, depth) for b, d in grid for depth in range(1, d + 1)}
+        # The LLM verifies the merged tree: at most every SSM's largest beam, under one root.
+        largest = 1 + speculator.num_ssms * max(b * d for b, d in beams)
+        verify = {node_bucket(size) for size in range(1, largest + 1)}
+        self.get(llm).expected.update(
+            PassShape(n, n, speculator.wants_hidden) for n in verify if n <= COMPILED_MAX_NODES
+        )
+        for unit in speculator.drafter.units:
+            call = self.get(unit.model)
+            # Catch-up chains: the tokens verified since a row's last pass (longer ones run eagerly).
+            call.expected.update(
+                PassShape(n, n, False) for n in {node_bucket(c) for c in range(1, COMPILED_MAX_CHAIN + 1)}
+            )
+            call.expected.update(level_passes(beams, len(unit.rows)))
+
+
+def level_passes(beams: set[tuple[int, int]], rows: int) -> set[PassShape]:
+    """The tree-level passes of a drafting unit of `rows` SSMs, each drafting one of `beams`
+    (b, d) or nothing (`speculator/drafter.py`): level j feeds, padded, the widest beam still
+    growing (b of an SSM with d > j), after the nodes of the levels before it."""
+    depth = max(d for _, d in beams)
+    alone = {tuple(b if d > j else 0 for j in range(1, depth)) for b, d in beams}  # widths per level
+    widths = set(alone)
+    for _ in range(rows - 1):  # what several SSMs of the unit feed together: the widest per level
+        widths |= {tuple(map(max, these, one)) for these in widths for one in alone}
+    passes = set()
+    for levels in widths:
+        pending = 0
+        for width in filter(None, levels):
+            nodes = node_bucket(width)
+            passes.add(PassShape(nodes, node_bucket(pending + nodes), False))
+            pending += nodes
+    return passes
 
 
 def own_code(function: FunctionType) -> FunctionType:

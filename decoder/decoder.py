@@ -39,6 +39,7 @@ from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.loading import has_tokenizer, load_causal_lm, load_tokenizer, resolve_device
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.shapes import DraftShape
 from specboost.speculator.speculation import Speculator, pool_drafters
 
@@ -153,6 +154,7 @@ class SpeculativeDecoder:
         self.calls = ModelCalls(self.llm.device, enabled)
         for drafter in pool_drafters(self.speculator):
             drafter.compiler = self.calls.get
+        self.calls.expect_passes(self.llm, self.speculator)
 
     @classmethod
     def from_pretrained(
@@ -254,8 +256,12 @@ class SpeculativeDecoder:
 
     def warmup(self, prompt_length: int = 16, max_new_tokens: int = 16, do_sample: bool = False) -> float:
         """Run one short generation so that compiled graphs for the usual shapes exist (and caches
-        are allocated) before anything is timed; returns its wall time in seconds."""
+        are allocated) before anything is timed; returns its wall time in seconds. For the learned
+        scheduler, every shape its choices can produce is compiled at that generation's cache sizes
+        (`ModelCalls.expect_passes`)."""
         start = time.perf_counter()
         ids = torch.ones(1, prompt_length, dtype=torch.long, device=self.llm.device)
         self.generate(ids, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=0 if do_sample else None)
+        if isinstance(self.speculator, LearnedScheduler):
+            self.speculator.forget()  # a made-up prompt whose steps compiled graphs: nothing to learn
         return time.perf_counter() - start

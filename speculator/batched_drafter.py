@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specboost.speculator.kv_cache import ModelCall, TreeCache
+from specboost.speculator.kv_cache import CompiledPass, TreeCache
 from specboost.speculator.model_info import context_length
 from specboost.speculator.sampling import LogitsToProbs
 
@@ -28,7 +28,9 @@ class BatchedChainDrafter:
     batch; `compiled` is the model's compiled tree pass (None: eager). Its methods take and return
     one entry per row: `members` blocks of the batch's sequences, member-major."""
 
-    def __init__(self, model: PreTrainedModel, compiled: ModelCall | None = None, members: int = 1) -> None:
+    def __init__(
+        self, model: PreTrainedModel, compiled: CompiledPass | None = None, members: int = 1
+    ) -> None:
         self.model = model
         self.members = members
         self.max_positions = context_length(model)

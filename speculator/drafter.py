@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.draft_plans import DraftPlan, make_plan
-from specboost.speculator.kv_cache import ModelCall, TreeCache, capacity_for
+from specboost.speculator.kv_cache import CompiledPass, TreeCache, capacity_for
 from specboost.speculator.model_info import context_length
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import DraftShape
@@ -30,7 +30,7 @@ from specboost.speculator.tree import TokenTree
 logger = logging.getLogger(__name__)
 
 HEADROOM = 256  # positions a new cache holds beyond the text it starts with
-Compiler = Callable[[PreTrainedModel], ModelCall | None]  # a model's compiled tree pass (None: eager)
+Compiler = Callable[[PreTrainedModel], CompiledPass | None]  # a model's compiled tree pass (None: eager)
 
 
 @dataclass

@@ -14,14 +14,17 @@ the batch, moves nothing. Sliding-window layers are masked by position (`Attenti
 every layer is a full one and compaction stays exact.
 
 With a compiled model call, shapes are kept to a few buckets (rows padded to powers of two, fed
-nodes to `NODE_BUCKETS`, the capacity to multiples of `CAPACITY_STEP`), so that the compiled model
-sees a handful of shapes; eager passes are not padded.
+nodes and the fed nodes they may see to `NODE_BUCKETS`, the capacity to multiples of
+`CAPACITY_STEP`), so that the compiled model sees a handful of shapes; eager passes are not padded.
+A compiled call may also name the pass shapes its decoder expects (`CompiledPass`): a cache then
+compiles them all the first time any cache of its rows and capacity meets the call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, StaticCache
@@ -36,7 +39,32 @@ NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes:
 COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
 COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly
 
-ModelCall = Callable[..., object]  # a compiled `tree_pass`
+
+class PassShape(NamedTuple):
+    """The shape of one compiled pass, beside its cache's rows and capacity."""
+
+    nodes: int  # new nodes per row, a `node_bucket` size
+    keys: int  # fed nodes they may see (pending, then new), a `node_bucket` size
+    hidden: bool  # the pass returns the last hidden states too
+
+
+class CompiledPass:
+    """A model's compiled `tree_pass` and the pass shapes its decoder expects (`expected`, empty:
+    none). The first time a cache of some (rows, capacity) meets the call, it compiles every
+    expected shape there, before its own pass: a strategy whose shapes vary from step to step (the
+    learned scheduler) then compiles nothing new once its caches' rows and capacities have been
+    met (`SpeculativeDecoder.warmup`)."""
+
+    def __init__(self, function: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self.function = function
+        self.expected: set[PassShape] = set()
+        self.met: set[tuple[int, int]] = set()  # (physical rows, capacity) of the caches warmed
+
+    def __call__(self, *args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.function(*args)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> CompiledPass:
+        return self  # shared, as the model is, by the copies of a speculator (one per sequence of a batch)
 
 
 def bucket(n: int) -> int:
@@ -112,7 +140,7 @@ class TreeCache:
     `compiled` is the model's compiled call, used for passes of up to COMPILED_MAX_NODES nodes."""
 
     def __init__(
-        self, model: PreTrainedModel, rows: int, capacity: int, compiled: ModelCall | None = None
+        self, model: PreTrainedModel, rows: int, capacity: int, compiled: CompiledPass | None = None
     ) -> None:
         self.model = model
         self.compiled = compiled
@@ -174,19 +202,19 @@ class TreeCache:
             and self.initialized
         )
         rows, nodes = self.physical_rows, node_bucket(n) if compiled else n
+        keys = node_bucket(self.pending + nodes) if compiled else self.pending + nodes
         start = self.width + self.pending
         if start + nodes > self.capacity:
             self._grow(start + nodes)
-        tokens, positions, visible = _pad(tokens, positions, visible, rows, nodes, self.pending)
+        if compiled:
+            self._warm()
+        tokens, positions, visible = _pad(tokens, positions, visible, rows, nodes, self.pending, keys)
         fed = (
             positions
             if self._pending_positions is None
             else torch.cat([self._pending_positions, positions], 1)
-        )
-        # Row lengths (padding rows: 0), where the new K/V are written, where fed nodes start.
-        counts = torch.tensor(
-            [*self.lengths, *[0] * (rows - self.rows), start, self.width], device=self.device
-        )
+        )  # [rows, pending + nodes]
+        counts = self._counts(rows, start)
         run = self.compiled if compiled else tree_pass
         logits, hidden = run(
             self.model,
@@ -194,7 +222,7 @@ class TreeCache:
             tokens,
             positions,
             visible,
-            fed,
+            _pad_keys(fed, keys),
             counts,
             self.layout,
             self.dtype,
@@ -203,6 +231,33 @@ class TreeCache:
         self._pending_positions = fed
         self.pending += nodes
         return FedOutput(logits[:b, :n], None if hidden is None else hidden[:b, :n])
+
+    def _warm(self) -> None:
+        """Compile the compiled call's expected shapes at this cache's rows and capacity, the first
+        time any cache of them meets it (`CompiledPass`). The passes write their K/V past the fed
+        nodes, where the next pass writes its own; a shape that would not fit is skipped (such a
+        pass grows the cache first)."""
+        call, rows = self.compiled, self.physical_rows
+        if (rows, self.capacity) in call.met:
+            return
+        call.met.add((rows, self.capacity))
+        start = self.width + self.pending
+        counts = self._counts(rows, start)
+        for nodes, keys, hidden in sorted(call.expected):
+            if start + nodes > self.capacity:
+                continue
+            # Inputs like a real pass's: distinct, contiguous tensors (the graphs guard on both).
+            tokens = torch.zeros(rows, nodes, dtype=torch.long, device=self.device)
+            positions = torch.zeros_like(tokens)
+            visible = torch.eye(nodes, keys, dtype=torch.bool, device=self.device).repeat(rows, 1, 1)
+            fed = torch.zeros(rows, keys, dtype=torch.long, device=self.device)
+            args = (tokens, positions, visible, fed, counts, self.layout, self.dtype, hidden)
+            call(self.model, self.cache, *args)
+
+    def _counts(self, rows: int, start: int) -> torch.Tensor:
+        """[rows + 2] a pass's `counts`: row lengths (padding rows: 0), where the new K/V are
+        written, where the fed nodes start."""
+        return torch.tensor([*self.lengths, *[0] * (rows - self.rows), start, self.width], device=self.device)
 
     def feed_chains(
         self,
@@ -344,12 +399,26 @@ def _allocate(layer: StaticLayer, like: StaticLayer, rows: int) -> None:
     layer.is_initialized = True
 
 
+def _pad_keys(fed: torch.Tensor, keys: int) -> torch.Tensor:
+    """The fed nodes' positions [rows, pending + nodes] padded to `keys` columns (keys no node sees)."""
+    if fed.shape[1] == keys:
+        return fed
+    return torch.cat([fed, fed.new_zeros(fed.shape[0], keys - fed.shape[1])], 1)
+
+
 def _pad(
-    tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, rows: int, nodes: int, pending: int
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor,
+    rows: int,
+    nodes: int,
+    pending: int,
+    keys: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad rows to `rows` and nodes to `nodes`: a padding node sees only itself."""
+    """Pad rows to `rows`, nodes to `nodes` (a padding node sees only itself) and the fed nodes seen
+    to `keys` (a padding key is seen by none)."""
     b, n = tokens.shape
-    if (b, n) == (rows, nodes):
+    if (b, n, visible.shape[2]) == (rows, nodes, keys):
         return tokens, positions, visible
     device = tokens.device
     padded_tokens = tokens.new_zeros(rows, nodes)
@@ -357,9 +426,7 @@ def _pad(
     padded_positions = positions.new_zeros(rows, nodes)
     padded_positions[:b, :n] = positions
     padded_positions[:b, n:] = positions[:, -1:]
-    eye = torch.eye(nodes, dtype=torch.bool, device=device)
-    padded_visible = torch.cat(
-        [torch.zeros(rows, nodes, pending, dtype=torch.bool, device=device), eye.expand(rows, -1, -1)], dim=2
-    )
+    padded_visible = torch.zeros(rows, nodes, keys, dtype=torch.bool, device=device)
+    padded_visible[:, :, pending : pending + nodes] = torch.eye(nodes, dtype=torch.bool, device=device)
     padded_visible[:b, :n, : pending + n] = visible
     return padded_tokens, padded_positions, padded_visible

@@ -208,25 +208,28 @@ class LearnedScheduler:
         for name, momentum in (("calibration", calibration), ("cost_correction", cost_correction)):
             if momentum is not None and not 0 <= momentum < 1:
                 raise ValueError(f"{name} is a momentum in [0, 1) (or None: off), got {momentum}")
-        # The online correction persists across `generate` calls: it measures the predictor and the
-        # SSMs on this workload, not on one sequence.
+        self._momenta = (calibration, cost_correction)
+        self._cost_priors = (  # section 5.2: a plain step's verification and the cheapest draft
+            max(float(cost_model.verify_time(1)), 1e-9),
+            max(float(self._spec_host[:, 1:].min()), 1e-9),
+        )
+        self.forget()
+        self.reset(None)
+
+    def forget(self) -> None:
+        """Start the online corrections (sections 5.1, 5.2) afresh. They persist across `generate`
+        calls, as they measure the predictor, the SSMs and this machine's load on the workload, not
+        on one sequence; but a warm-up generation (`SpeculativeDecoder.warmup`) is no workload: its
+        prompt is made up and its steps compile graphs, and what it taught would mislead."""
+        calibration, cost_correction = self._momenta
+        c = self.predictor.config
         self.calibration = (
             None
             if calibration is None
             else OnlineCalibration(self.num_ssms, len(c.widths), c.depths, calibration, self._f.device)
         )
-        # Also persistent: it measures this machine's load, not one sequence. The priors (section
-        # 5.2): a plain step's verification and the cheapest draft, floored against a zero profile.
-        self.costs = (
-            None
-            if cost_correction is None
-            else CostCorrection(
-                cost_correction,
-                max(float(cost_model.verify_time(1)), 1e-9),
-                max(float(self._spec_host[:, 1:].min()), 1e-9),
-            )
-        )
-        self.reset(None)
+        self.costs = None if cost_correction is None else CostCorrection(cost_correction, *self._cost_priors)
+        torch.add(self._draft_cost, self._verify_cost, out=self.seconds)  # factors v = g = 1
 
     def _precompute_costs(self, cost: CostModel) -> None:
         """Time of every joint choice (or, per SSM, of every option alone), its verify and drafting

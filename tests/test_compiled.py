@@ -1,8 +1,10 @@
 """`SpeculativeDecoder(compile=True)`: the LLM's verify pass and the SSMs' drafting passes run as
 torch.compile'd graphs at bucketed shapes (nodes padded; the row padding of compiled caches is
 checked without compiling in tests/test_kv_cache.py); greedy output is still `llm.generate`'s,
-token for token. Compiling on the CPU takes about a minute; a batch is the `slow` test, and the
-CUDA run with CUDA graphs is in tests/test_gpu.py."""
+token for token. The learned scheduler's varying shapes are all compiled by `warmup` (how a cache
+runs them is checked without compiling in tests/test_kv_cache.py). Compiling on the CPU takes about
+a minute; a batch and the learned scheduler (~90 s) are the `slow` tests, and the CUDA run with CUDA
+graphs is in tests/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ import torch
 from conftest import noisy_copy, tiny_llama
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
+from specboost.speculator.cost_model import CostModel
+from specboost.speculator.kv_cache import PassShape
+from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
+from specboost.speculator.scheduler import LearnedScheduler
+from specboost.speculator.shapes import BeamShape
 
 PROMPTS = [[3, 17, 42, 8, 8, 51, 23], [12, 5, 60]]
 
@@ -70,5 +77,57 @@ def test_every_model_keeps_its_compiled_graphs_apart() -> None:
     back to eager."""
     llm, ssm = tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
     calls = compilation.ModelCalls(llm.device, enabled=True)
-    codes = {id(calls.get(model)._torchdynamo_orig_callable.__code__) for model in (llm, ssm)}
+    codes = {id(calls.get(model).function._torchdynamo_orig_callable.__code__) for model in (llm, ssm)}
     assert len(codes) == 2 and calls.get(llm) is calls.get(llm)
+
+
+def learned_compiled_decoder() -> SpeculativeDecoder:
+    """The learned scheduler over 2 SSMs choosing among beams (1 or 2 wide, 1 or 2 deep) or nothing:
+    a random predictor and costs under which speculating pays, so that its choices vary with the
+    LLM's state (no online corrections: they would learn from the warm-up's compiling steps)."""
+    llm = tiny_llama(layers=2, seed=0).float()
+    ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.1, seed=2)]
+    torch.manual_seed(0)
+    config = PredictorConfig(input_size=32, num_ssms=2, widths=(1, 2), depths=(1, 2), hidden_size=16)
+    predictor = MatchLengthPredictor(config)
+    with torch.no_grad():
+        predictor.mlp[-1].bias.fill_(1.5)
+    speculate = {"1,1": 0.1, "1,2": 0.2, "2,1": 0.15, "2,2": 0.3}
+    cost = CostModel("test|float32", [1, 2, 4, 8], [1.0, 1.05, 1.1, 1.2], [speculate] * 2, [0.05] * 2)
+    scheduler = LearnedScheduler(
+        ssms, predictor, cost, BeamShape(1, 2), calibration=None, cost_correction=None
+    )
+    return SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True)
+
+
+@pytest.mark.slow
+def test_learned_scheduler_compiles_nothing_after_warmup() -> None:
+    """The learned scheduler (ALGORITHMS.md section 5) picks a beam or nothing per SSM and step;
+    `warmup` compiles every pass shape its choices can produce (`ModelCalls.expect_passes`), so
+    generations whose choices vary compile nothing new, and their output is `llm.generate`'s."""
+    dec = learned_compiled_decoder()
+    llm = dec.llm
+    dec.warmup()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    choices = set()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = dec.generate(ids, max_new_tokens=24)
+        expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
+        assert torch.equal(out.sequences, expected)
+        choices |= {tuple(map(str, step)) for step in out.stats.strategy["choices"]}
+    assert len(choices) > 1, choices  # the shapes varied
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_level_passes_cover_every_joint_beam() -> None:
+    """Two SSMs of one stacked unit: level j feeds the wider beam still growing, after the levels
+    before it (nodes and seen keys padded to their buckets)."""
+    passes = compilation.level_passes({(1, 1), (1, 3), (2, 2)}, rows=2)
+    # Alone: (1, 3) feeds 1 then 1 node; (2, 2) feeds 2. Together: 2 nodes, then 1 after those 2.
+    assert passes == {
+        PassShape(1, 1, False),
+        PassShape(1, 2, False),
+        PassShape(2, 2, False),
+        PassShape(1, 3, False),
+    }

@@ -20,7 +20,7 @@ from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape
-from specboost.speculator.kv_cache import CAPACITY_STEP, TreeCache, bucket, tree_pass
+from specboost.speculator.kv_cache import CAPACITY_STEP, CompiledPass, PassShape, TreeCache, bucket, tree_pass
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.tree import DraftKind, TokenTree, TreeBatch
 
@@ -94,7 +94,7 @@ def test_rows_after_tree_passes_equal_recomputed_texts(
     `padded`, the cache pads rows and nodes to their buckets as it does for a compiled model (the
     "compiled" pass here is the eager `tree_pass`)."""
     llm = llm_for(arch)
-    cache = TreeCache(llm, len(prompts), CAPACITY_STEP, compiled=tree_pass if padded else None)
+    cache = TreeCache(llm, len(prompts), CAPACITY_STEP, compiled=CompiledPass(tree_pass) if padded else None)
     assert cache.physical_rows == (bucket(len(prompts)) if padded else len(prompts))
     texts = [p[:-1] for p in prompts]  # the LLM caches every verified token but the root
     roots = [p[-1] for p in prompts]
@@ -260,3 +260,26 @@ def test_an_ssm_that_sits_out_catches_up_later() -> None:
     verified += [trees[0].tokens[1], 9]
     drafter.draft(verified, [None, BeamShape(2, 2)], GREEDY, max_depth=2)
     assert_rows_hold(drafter, ssms, verified)
+
+
+def test_a_compiled_pass_runs_its_expected_shapes_once_per_rows_and_capacity() -> None:
+    """`CompiledPass.expected`: the first cache of a (rows, capacity) to meet the call runs every
+    expected shape there, past its fed nodes, before its own pass, whose result is unchanged; a
+    cache of the same rows and capacity runs none again (the "compiled" pass is the eager one)."""
+    llm = llm_for("llama")
+    shapes: list[tuple[int, int, bool]] = []
+
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        shapes.append((args[2].shape[1], args[5].shape[1], args[-1]))  # nodes, keys, hidden
+        return tree_pass(*args)
+
+    call = CompiledPass(spy)
+    call.expected = {PassShape(2, 3, False), PassShape(4, 4, True)}
+    eager, warmed, again = (TreeCache(llm, 1, CAPACITY_STEP, c) for c in (None, call, call))
+    outputs = []
+    for cache in (eager, warmed, again):
+        cache.feed_chains([[3, 4, 5]], eager=True)  # allocates the K/V
+        outputs.append(cache.feed_chains([[6, 7]]).logits)
+    assert shapes == [(2, 3, False), (4, 4, True), (2, 2, False), (2, 2, False)]
+    for logits in outputs[1:]:
+        torch.testing.assert_close(logits, outputs[0])

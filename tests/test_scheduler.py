@@ -334,6 +334,27 @@ def test_decoding_with_a_bad_favourite_moves_to_the_good_ssm(do_sample: bool) ->
     assert len(scales) == len(choices) and scales[-1][0] < 0.5 < 0.9 < scales[-1][1]
 
 
+def test_warmup_leaves_no_correction_behind() -> None:
+    """A warm-up generation (a made-up prompt, steps that compile graphs) must not teach the online
+    corrections anything: after `warmup` they start afresh, whatever came before."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [tiny_llama(layers=2, seed=7), copy.deepcopy(llm)]
+    decoder = SpeculativeDecoder(
+        llm,
+        ssms,
+        strategy="learned",
+        predictor=constant_predictor(FAVOURS_SSM_0),
+        cost_model=cost_table(2, VERIFY, SPECULATE),
+    )
+    scheduler = decoder.speculator
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    decoder.generate(prompt, max_new_tokens=20)
+    assert scheduler.ssm_scales[0] < 0.9 and scheduler.cost_factors != (1.0, 1.0)  # it learned
+    decoder.warmup(prompt_length=6, max_new_tokens=20)
+    assert scheduler.ssm_scales == [1.0, 1.0] and scheduler.cost_factors == (1.0, 1.0)
+    assert torch.equal(scheduler.seconds, scheduler._verify_cost + scheduler._draft_cost)
+
+
 def test_per_ssm_and_per_depth_scales_after_one_step() -> None:
     """Hand-computed: SSM 0 drafts a (1, 4) chain predicted to match 3.5 tokens and 0.9 at depth 1;
     2 of its tokens are accepted; SSM 1 sits out.

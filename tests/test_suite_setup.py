@@ -8,10 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import tiny_llama
 
 from specboost.decoder.bench.configurations import SUITES, resolve_suite
+from specboost.decoder.bench.markdown import speculative
+from specboost.decoder.bench.methods import Models
 from specboost.decoder.bench.records import Decoding
-from specboost.decoder.bench.suite import read_fixture
+from specboost.decoder.bench.suite import candidates, read_fixture
 from specboost.decoder.cli import main
 from specboost.training import bench_fixture
 from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps
@@ -272,3 +275,19 @@ def test_every_fixture_step_keeps_the_command_its_cache_was_built_with() -> None
     assert {s.name: list(s.argv) for s in steps} == {
         name: ["-m", *argv] for name, argv in RECORDED_ARGV.items()
     }
+
+
+@pytest.mark.parametrize("suite", ["default", "quick"])
+def test_both_suites_run_the_compiled_rows_and_learned_compiled_at_every_batch_size(suite: str) -> None:
+    """The quick suite has the compiled rows too (its fastest fixed row includes them), and the
+    learned scheduler runs compiled in every table; it is never a fixed speculative row."""
+    config = SUITES[suite]
+    llm = tiny_llama(layers=1, seed=0)
+    models = Models(llm, None, [llm, llm])
+    for decoding in config.decodings:
+        for size in config.batch_sizes:
+            names = {name for name in candidates(config, models, decoding, size) if config.wanted(name)}
+            assert {"plain_compiled", "learned+compiled"} <= names, (decoding, size)
+            assert ("learned" in names) == ("chain[0]+compiled" in names) == (size == 1)
+            assert ("batched+compiled" in names) == (size > 1)
+    assert not speculative("learned+compiled") and speculative("chain[0]+compiled")

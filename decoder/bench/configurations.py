@@ -13,9 +13,7 @@ from specboost.decoder.bench.suite import BENCH_METHODS, SuiteConfig
 
 SUITES: dict[str, Protocol] = {
     "default": SuiteConfig(),  # make bench: the `small` fixture
-    "quick": SuiteConfig(
-        fixture="tiny", prompts_per_category=3, max_new_tokens=48, repeats=2, compiled=False
-    ),
+    "quick": SuiteConfig(fixture="tiny", prompts_per_category=3, max_new_tokens=48, repeats=2),
     # make demo: the single-file bench's rows plus Sequoia and the learned scheduler, greedy, batch
     # 1, on 8 held-out Gutenberg openings (a split no training step saw); on --llm with --pool (the
     # demo's export, which ships the predictor, profile and Sequoia vectors), else the tiny fixture.

@@ -29,6 +29,7 @@ HEADLINE_MARKERS = ("<!-- bench-headline: begin -->", "<!-- bench-headline: end 
 RESULTS_PAGE = Path("docs/results.md")
 ALGORITHMS_PAGE = Path("docs/ALGORITHMS.md")  # the metrics' definitions (section 13), linked
 LEARNED = "learned"  # the learned scheduler's row (strategy="learned"): its own headline column
+LEARNED_ROWS = (LEARNED, f"{LEARNED}+compiled")  # eager and compiled: the faster is the headline's
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -262,8 +263,8 @@ def fastest(table: Table, keep: Any) -> MethodRow | None:
 
 def speculative(method: str) -> bool:
     """A fixed speculative row of this decoder: not plain decoding, not transformers' assisted
-    generation, not the learned scheduler."""
-    return method not in BEST_PLAIN and not method.startswith(HF_ASSISTED) and method != LEARNED
+    generation, not the learned scheduler (eager or compiled)."""
+    return method not in BEST_PLAIN and not method.startswith(HF_ASSISTED) and method not in LEARNED_ROWS
 
 
 def _speed(row: MethodRow) -> str:
@@ -275,10 +276,13 @@ def _named(row: MethodRow | None) -> str:
 
 
 def _learned(table: Table, skipped: dict[str, dict[str, str]]) -> str:
-    row = next((r for r in table.rows if r.method == LEARNED), None)
-    if row is not None:
-        return _speed(row) if row.rank is not None else "output differs (not ranked)"
-    return "not run" if LEARNED in skipped.get(table.title, {}) else "-"
+    """The faster learned row (`learned` or `learned+compiled`, named when compiled)."""
+    best = fastest(table, lambda m: m in LEARNED_ROWS)
+    if best is not None:
+        return _speed(best) + (" (compiled)" if best.method != LEARNED else "")
+    if any(r.method in LEARNED_ROWS for r in table.rows):
+        return "output differs (not ranked)"
+    return "not run" if set(LEARNED_ROWS) & set(skipped.get(table.title, {})) else "-"
 
 
 def headline_markdown(report: Report, results_link: str) -> str:

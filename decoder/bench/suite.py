@@ -11,11 +11,12 @@ file, the single-file bench. Writes suite.json (bench.json), report.md and the p
 Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
 and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
 SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`);
-the learned scheduler; sampled only, k-sequential verification (`pool_chain+kseq`) and three
-sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the drafted tokens of a 3-SSM
-`pool_chain`). Batch > 1: plain batched `generate` against the pool's chains as one ragged batch
-(BASS, eager and compiled) and the pipelined engine (Minions: two groups of half the batch). A
-method that cannot run here is listed under "Not run" with the reason.
+the learned scheduler (eager and compiled); sampled only, k-sequential verification
+(`pool_chain+kseq`) and three sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the
+drafted tokens of a 3-SSM `pool_chain`). Batch > 1: plain batched `generate` against the pool's
+chains as one ragged batch (BASS, eager and compiled), the pipelined engine (Minions: two groups
+of half the batch) and the learned scheduler, compiled, on the ragged batch. A method that cannot
+run here is listed under "Not run" with the reason.
 
 Sampled rows run on the pool for sampling when there is one (the fixture's, or `sampled_pool`),
 greedy rows on the pool; per sampled cell group the report gives each SSM's measured total
@@ -97,6 +98,7 @@ METHOD_FAMILIES = (
     ),
     *("pool_beam", "pool_topology", *OWN_ROWS, "majority+adaptive", "batched"),
     *("batched+compiled", "engine", f"chainx{CHAIN_SAMPLES}", f"chainx{CHAIN_SAMPLES}+kseq"),
+    "learned+compiled",
 )
 ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
 BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one length per step
@@ -336,7 +338,7 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
         out["engine"] = lambda: engine_method(
             "engine", engine_description, models, engine, max_new, decoding, shape=chain
         )
-        return out
+        return out | learned_rows(models, ours, size)
     for i, ssm in enumerate(models.ssms):
         out[f"{HF_ASSISTED}[{i}]"] = hf(
             f"{HF_ASSISTED}[{i}]", f"llm.generate(assistant_model=SSM {i})", assistant_model=ssm
@@ -376,11 +378,21 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
             out["majority+adaptive"] = ours(
                 "majority+adaptive", description, length_controller=ADAPTIVE_LENGTH, **kwargs
             )
-    learned = ours(
-        "learned", "learned scheduler (the pool's predictor and hardware profile)", strategy="learned"
-    )
-    out["learned"] = lambda: _with_predictor(models, learned)
-    return out
+    return out | learned_rows(models, ours, size)
+
+
+def learned_rows(models: Models, ours: Any, size: int) -> dict[str, Any]:
+    """The learned scheduler's rows: eager at batch size 1, compiled at every batch size (its
+    compiled passes are all warmed up before timing: `ModelCalls.expect_passes`)."""
+    description = "learned scheduler (the pool's predictor and hardware profile)"
+    rows = {
+        "learned+compiled": ours(
+            "learned+compiled", f"{description}, compiled", strategy="learned", compile=True
+        )
+    }
+    if size == 1:
+        rows["learned"] = ours("learned", description, strategy="learned")
+    return {name: functools.partial(_with_predictor, models, make) for name, make in rows.items()}
 
 
 def _with_predictor(models: Models, make: Any) -> Method:
