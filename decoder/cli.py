@@ -31,8 +31,8 @@ from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SHAPE_KINDS, PoolDefaults, SSMPool
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.serve.command import add_serve_arguments, bounded, serve
-from specboost.decoder.serve.protocol import SEED_LIMIT
 from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
+from specboost.decoder.validation import SEED_LIMIT
 from specboost.decoder.verify import Rule
 from specboost.speculator.cost_model import device_key, load_cost_model, save_cost_model
 from specboost.speculator.length_control import CONTROLLERS

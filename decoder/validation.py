@@ -10,6 +10,10 @@ from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.model_info import context_length, output_vocab_size
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
 
+# Seeds are OpenAI's int64, non-negative: torch's generators take seeds below 2**64, and the SSMs'
+# streams are seeded a little above the request's (`speculator.speculation.ssm_generator`).
+SEED_LIMIT = 2**63
+
 __all__ = [
     "check_causal_lm",
     "check_generate_arguments",
@@ -147,6 +151,8 @@ def check_generate_arguments(
         raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an integer, got {seed!r}")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
 
 
 def prompt_tokens(

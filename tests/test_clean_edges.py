@@ -162,6 +162,9 @@ def test_argument_types_are_checked_at_the_api() -> None:
         dec.generate(ids, max_new_tokens=2, do_sample="yes")
     with pytest.raises(TypeError, match="seed must be an integer"):
         dec.generate(ids, max_new_tokens=2, seed=1.5)
+    for seed in (-1, 2**70):  # torch's generators raise a raw overflow error for these
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*63\)"):
+            dec.generate(ids, max_new_tokens=2, seed=seed)
     with pytest.raises(ValueError, match=r"token ids in \[0, 64\)"):
         dec.generate(torch.tensor([[1, 64]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="attention_mask must be a tensor shaped like input_ids"):

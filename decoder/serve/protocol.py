@@ -18,10 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specboost.decoder.validation import SEED_LIMIT
+
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
-# Seeds are OpenAI's int64, non-negative: torch's generators take seeds below 2**64, and the SSMs'
-# streams are seeded a little above the request's (`speculator.speculation.ssm_generator`).
-SEED_LIMIT = 2**63
 
 
 class RequestError(ValueError):
