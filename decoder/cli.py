@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -667,12 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in models:  # fail fast, before anything loads
             check_model_path(path)
         commands = {"generate": generate, "serve": serve_command, "profile": profile_command, "bench": bench}
-        with warnings.catch_warnings():
-            # transformers 5.24 renamed forward's `past_key_values` to `cache` and warns on every run;
-            # the KV caches (speculator/kv_cache.py, beam_search.py) pass the old name, which every
-            # transformers release this package allows (>=5.0,<5.25) takes.
-            warnings.filterwarnings("ignore", r"`past_key_values` is deprecated", FutureWarning)
-            return commands[args.command](args)
+        return commands[args.command](args)
     except (FileNotFoundError, ValueError, NotImplementedError) as error:
         print(f"specboost {args.command}: error: {error}", file=sys.stderr)
         return 2

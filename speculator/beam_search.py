@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specboost.speculator.model_info import CACHE_ARGUMENT
 from specboost.speculator.padding import left_pad
 
 
@@ -30,9 +31,9 @@ def beam_match_lengths(
     ids, mask = (t.to(device).repeat_interleave(width, 0) for t in left_pad(contexts, pad_id))
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
-    logits = ssm(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[
-        :, -1
-    ]
+    logits = ssm(
+        input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE_ARGUMENT: cache}
+    ).logits[:, -1]
     scores = torch.full((rows, width), float("-inf"), dtype=torch.float64, device=device)
     scores[:, 0] = 0.0  # one live beam at the root (its copies only pad the batch)
     beams = torch.zeros(rows, width, 0, dtype=torch.long, device=device)
@@ -54,6 +55,9 @@ def beam_match_lengths(
         mask = torch.cat([mask, mask.new_ones(rows * width, 1)], -1)
         positions = positions[:, -1:] + 1
         logits = ssm(
-            input_ids=token.reshape(-1, 1), attention_mask=mask, position_ids=positions, past_key_values=cache
+            input_ids=token.reshape(-1, 1),
+            attention_mask=mask,
+            position_ids=positions,
+            **{CACHE_ARGUMENT: cache},
         ).logits[:, -1]
     return torch.stack(matches, -1).cpu()

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from specboost.speculator.attention_layout import AttentionLayout
-from specboost.speculator.model_info import context_length
+from specboost.speculator.model_info import CACHE_ARGUMENT, context_length
 from specboost.speculator.tree_attention import tree_attention_mask
 
 CAPACITY_STEP = 128  # capacities are multiples of this (one compiled graph per capacity)
@@ -114,8 +114,8 @@ def tree_pass(
         input_ids=tokens,
         position_ids=positions,
         attention_mask=mask,
-        past_key_values=cache,
         use_cache=True,
+        **{CACHE_ARGUMENT: cache},
         output_hidden_states=output_hidden,
     )
     return out.logits, out.hidden_states[-1] if output_hidden else None

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedModel
+
+# The forward argument that takes a KV cache: transformers 5.24 renamed `past_key_values` to
+# `cache` (the old name still works there but warns on every call, FutureWarning); earlier 5.x
+# releases, which this package also allows, know only the old one.
+CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
 def output_vocab_size(model: PreTrainedModel) -> int:
