@@ -27,10 +27,12 @@ import torch
 from torch import nn
 
 from specboost.decoder.compilation import ModelCalls
+from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.length_control import LengthController, make_length_controller
+from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.shapes import ChainShape
 from specboost.speculator.speculation import (
     DraftRequest,
@@ -227,9 +229,12 @@ class PerSequenceDrafting:
 
 
 def make_drafting(speculator: Speculator, batched: bool, calls: ModelCalls, rows: int) -> GroupDrafting:
-    """`BatchedChainDrafting` for the pool's fixed-length chains, one per SSM (when `batched`),
+    """`RoutedDrafting` for the routed scheduler (its batch rule decides for the group, section
+    5.3); `BatchedChainDrafting` for the pool's fixed-length chains, one per SSM (when `batched`),
     else `PerSequenceDrafting` (sharing the decoder's speculator for a group of one row; also
     for several sampled chains per SSM, `ChainShape(samples=k)`, which its tree plans draft)."""
+    if isinstance(speculator, RoutedScheduler):
+        return RoutedDrafting(speculator, calls)
     fixed_chains = (
         type(speculator) is PoolSpeculator
         and isinstance(speculator.shape, ChainShape)

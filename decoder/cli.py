@@ -180,8 +180,9 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
         "beam per SSM and step (needs --predictor); majority: only the weighted-majority chain is verified; "
         "pruned: the merged tree cut to --budget nodes by SSM weight; sequoia: one SSM fills a DP-optimal "
         "tree (needs --acceptance, and --nodes or --profile); plain: speculation off, the LLM alone (no "
-        "--ssm or --pool) (default: the pool's, else pool; given, it "
-        "replaces the pool's whole choice: its shape and length controller are not used)",
+        "--ssm or --pool) (default: the pool's, else pool; an exported pool with a predictor and a hardware "
+        "profile recommends learned, and a shape option or --length-controller over it means pool; given, "
+        "it replaces the pool's whole choice: its shape and length controller are not used)",
     )
     strategy.add_argument(
         "--length-controller",
@@ -420,6 +421,7 @@ def _add_suite_options(bench: argparse.ArgumentParser) -> None:
 # generate ---------------------------------------------------------------------------------------
 # A shape's field -> the dest of its generate option.
 SHAPE_OPTIONS = {"length": "length", "samples": "chain_samples", "width": "width", "depth": "depth"}
+FIXED_SHAPE_FLAGS = ("shape", "topology_children", "length_controller")  # with SHAPE_OPTIONS
 
 
 def _shape(args: argparse.Namespace, default: DraftShape | None) -> DraftShape | None:
@@ -472,10 +474,16 @@ def _decoder_options(
 ) -> dict[str, Any]:
     """SpeculativeDecoder's keywords from generate's options; unset ones from `defaults` (the
     pool's decoding choices, else the decoder's). A given --strategy replaces the pool's whole
-    choice, as strategy= does in `SpeculativeDecoder.from_pretrained`."""
+    choice, as strategy= does in `SpeculativeDecoder.from_pretrained`; a shape option or
+    --length-controller over a learned default asks for a fixed shape: strategy pool."""
     choice = defaults if args.strategy is None else PoolDefaults(args.strategy)
+    fixed = [d for d in (*FIXED_SHAPE_FLAGS, *SHAPE_OPTIONS.values()) if getattr(args, d) is not None]
+    if args.strategy is None and choice.strategy == "learned" and fixed:
+        choice = PoolDefaults("pool")
     predictor = MatchLengthPredictor.from_pretrained(args.predictor) if args.predictor else None
-    if choice.strategy == "learned" and predictor is None and (pool is None or pool.predictor is None):
+    # An explicit --strategy learned needs a predictor; one the pool recommends without shipping one
+    # falls back to its fixed shape with the decoder's warning.
+    if args.strategy == "learned" and predictor is None and (pool is None or pool.predictor is None):
         raise ValueError(
             "--strategy learned needs --predictor DIR (train one with `make predictor`), or a --pool that "
             "ships one"
@@ -525,6 +533,12 @@ def build_decoder(args: argparse.Namespace) -> SpeculativeDecoder:
         )
     pool = SSMPool.from_pretrained(args.pool, device, dtype)
     options = _decoder_options(args, pool.defaults, pool, device, dtype)
+    if (
+        args.strategy is None
+        and options["strategy"] == "learned"
+        and not (args.profile or args.force_profile)
+    ):
+        pool = pool.for_recommended_learned(device, dtype)  # its profile, if of this machine
     return SpeculativeDecoder.from_pretrained(
         args.llm, pool, args.tokenizer, device=device, dtype=dtype, **options
     )

@@ -33,6 +33,7 @@ from specboost.speculator.kv_cache import (
     node_bucket,
     tree_pass,
 )
+from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.speculation import Speculator
 
@@ -87,11 +88,21 @@ class ModelCalls:
         return self._calls[id(model)]
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
-        """Register the pass shapes of the learned scheduler (ALGORITHMS.md section 5) with the
+        """Register the pass shapes of the learned schedulers (ALGORITHMS.md section 5) with the
         compiled calls of the LLM and of its SSMs; other strategies' shapes hardly vary, and their
         warm-up generation meets them. Every beam of the scheduler's grid (and its fallback) may be
-        cut to any shallower depth near the end of a sequence, and any SSM may sit a step out."""
-        if not self.enabled or not isinstance(speculator, LearnedScheduler):
+        cut to any shallower depth near the end of a sequence, and any SSM may sit a step out; a
+        routed chain (section 5.3) may be of any length up to the deepest of the grid, or none."""
+        if not self.enabled:
+            return
+        if isinstance(speculator, RoutedScheduler):
+            longest = 1 + int(speculator.router.depths.max())
+            verify = {node_bucket(n) for n in range(1, longest + 1)}
+            self.get(llm).expected.update(PassShape(n, n, True) for n in verify if n <= COMPILED_MAX_NODES)
+            for model in speculator.models:
+                self.get(model).expected.update({*catch_up_passes(), PassShape(1, 1, False)})
+            return
+        if not isinstance(speculator, LearnedScheduler):
             return
         fallback = speculator.fallback
         grid = {*speculator.options[1:], (fallback.width, fallback.depth)}
@@ -104,11 +115,14 @@ class ModelCalls:
         )
         for unit in speculator.drafter.units:
             call = self.get(unit.model)
-            # Catch-up chains: the tokens verified since a row's last pass (longer ones run eagerly).
-            call.expected.update(
-                PassShape(n, n, False) for n in {node_bucket(c) for c in range(1, COMPILED_MAX_CHAIN + 1)}
-            )
+            call.expected.update(catch_up_passes())
             call.expected.update(level_passes(beams, len(unit.rows)))
+
+
+def catch_up_passes() -> set[PassShape]:
+    """A drafter's catch-up chains: the tokens verified since a row's last pass (longer ones run
+    eagerly)."""
+    return {PassShape(n, n, False) for n in {node_bucket(c) for c in range(1, COMPILED_MAX_CHAIN + 1)}}
 
 
 def level_passes(beams: set[tuple[int, int]], rows: int) -> set[PassShape]:

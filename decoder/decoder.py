@@ -39,6 +39,7 @@ from specboost.speculator.cost_model import CostModel
 from specboost.speculator.length_control import LengthController
 from specboost.speculator.loading import has_tokenizer, load_causal_lm, load_tokenizer, resolve_device
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.shapes import DraftShape
 from specboost.speculator.speculation import Speculator, pool_drafters
@@ -154,6 +155,8 @@ class SpeculativeDecoder:
         self.calls = ModelCalls(self.llm.device, enabled)
         for drafter in pool_drafters(self.speculator):
             drafter.compiler = self.calls.get
+        if isinstance(self.speculator, RoutedScheduler):
+            self.speculator.compiler = self.calls.get
         self.calls.expect_passes(self.llm, self.speculator)
 
     @classmethod
@@ -177,7 +180,11 @@ class SpeculativeDecoder:
         then refuses an LLM or tokenizer the pool was not exported for. The manifest's decoding
         choices (`pool.defaults`: strategy, shape, length controller) are the defaults of
         `overrides`, any keyword of `SpeculativeDecoder`; an explicit `strategy=` or `speculator=`
-        replaces all of them (see `PoolDefaults.decoder_options`).
+        replaces all of them (see `PoolDefaults.decoder_options`). A pool exported with a
+        predictor and a hardware profile recommends the learned scheduler; `strategy="pool",
+        shape=ChainShape(4)` decodes with a fixed chain instead. A learned scheduler the pool
+        recommends measures this machine's latencies when the pool's profile is of other hardware
+        (`SSMPool.for_recommended_learned`); `compile="auto"` compiles on CUDA.
         """
         target = resolve_device(device) if device is not None else None  # before anything loads
         if target is None and isinstance(llm, PreTrainedModel):
@@ -194,7 +201,12 @@ class SpeculativeDecoder:
         elif not isinstance(tokenizer, PreTrainedTokenizerBase):
             tokenizer = load_tokenizer(tokenizer)
         pool.check_llm(llm, tokenizer)
-        return cls(llm, pool, tokenizer, **pool.defaults.decoder_options(overrides))
+        options = pool.defaults.decoder_options(overrides)
+        chosen = "strategy" not in overrides and "speculator" not in overrides  # by the pool
+        own_costs = overrides.get("cost_model") is not None or overrides.get("force_profile")
+        if chosen and options["strategy"] == "learned" and not own_costs:
+            pool = pool.for_recommended_learned(llm.device, llm.dtype)
+        return cls(llm, pool, tokenizer, **options)
 
     # Generation ----------------------------------------------------------------------------------
     def generate(
@@ -262,6 +274,6 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         ids = torch.ones(1, prompt_length, dtype=torch.long, device=self.llm.device)
         self.generate(ids, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=0 if do_sample else None)
-        if isinstance(self.speculator, LearnedScheduler):
+        if isinstance(self.speculator, LearnedScheduler | RoutedScheduler):
             self.speculator.forget()  # a made-up prompt whose steps compiled graphs: nothing to learn
         return time.perf_counter() - start

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ T = TypeVar("T")
 
 
 OWN_TREE = ("sequoia", "plain")  # strategies that take no draft shape: Sequoia's own tree, or none
+FIXED_SHAPE_OPTIONS = ("shape", "length_controller")  # given over a learned default: strategy "pool"
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,16 @@ class PoolDefaults:
     def decoder_options(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """`SpeculativeDecoder`'s keywords: `overrides` over these defaults. An explicit strategy=
         or speculator= replaces all of them: the shape and length controller were chosen for this
-        strategy, and another may refuse them."""
+        strategy, and another may refuse them. Over "learned", which drafts no fixed shape (its
+        shape is only the fallback without a predictor), a shape= or length_controller= given
+        without strategy= asks for a fixed shape: strategy "pool" with what is given."""
         if "strategy" in overrides or "speculator" in overrides:
             return dict(overrides)
+        if self.strategy == "learned" and any(overrides.get(k) is not None for k in FIXED_SHAPE_OPTIONS):
+            logger.info(
+                "a shape or length controller given over the pool's learned scheduler: strategy 'pool'"
+            )
+            return {"strategy": "pool"} | dict(overrides)
         chosen = {"strategy": self.strategy, "shape": self.shape, "length_controller": self.length_controller}
         return chosen | dict(overrides)
 
@@ -290,6 +298,37 @@ class SSMPool:
         if not entry or self.folder is None:
             return None
         return load_cost_model(self.folder / entry["path"], device_key(device, dtype), force)
+
+    def for_recommended_learned(self, device: torch.device | str, dtype: torch.dtype) -> SSMPool:
+        """The pool the learned scheduler decodes with when the pool recommends it (its defaults,
+        not an explicit strategy="learned"): this pool, or, when its hardware profile holds no
+        latencies for this device and dtype (other hardware, or another CPU thread count), a copy
+        without the profile, so that the scheduler measures this machine's (with a warning), as
+        for a pool without one, where an explicit strategy="learned" refuses a foreign profile."""
+        entry = self.manifest.get("hardware_profile")
+        if not entry or self.folder is None:
+            return self
+        path = self.folder / entry["path"]
+        try:
+            measured = list(json.loads(path.read_text())["profiles"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return self  # damaged: loading it says so
+        key = device_key(device, dtype)
+        if key in measured:
+            return self
+        logger.warning(
+            "the pool's hardware profile %s holds latencies measured on %s, not on this machine (%s): "
+            "the learned scheduler the pool recommends measures them here instead. To skip that, run with "
+            "the thread count it was measured at (torch.set_num_threads, --threads), add this machine's "
+            "(`specboost profile --llm LLM --ssm %s/ssm-* --out %s`), or use the pool's "
+            "(force_profile=True, --force-profile)",
+            path,
+            ", ".join(measured) or "no device",
+            key,
+            self.folder,
+            path,
+        )
+        return replace(self, manifest={**self.manifest, "hardware_profile": None})
 
     def check_llm(self, llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """Raise a ValueError when `llm` (and `tokenizer`) is not the LLM the pool was trained for."""

@@ -5,7 +5,10 @@
 Everything is timed through the decoder's own code paths: L_verify(n) is the LLM's `TreeCache`
 pass over an n-node tree after `prefix_length` cached tokens, followed by the commit a real step
 does (the root kept); L_speculate(b, d) is `PoolDrafter.draft_one` of a beam tree after the same prefix
-(the steady-state cache catch-up of one token included). Each number is the median of `repeats`
+(the steady-state cache catch-up of one token included). The chain tables of the routed scheduler
+(section 5.3) are timed the same way at every batch size of `batch_sizes`: the LLM's pass over a
+chain of n nodes in every row, and each SSM's `BatchedChainDrafter.draft_greedy` of a d-token chain
+in every row (a one-token catch-up first). Each number is the median of `repeats`
 timed runs after one warm-up run; CUDA is synchronised around every run.
 """
 
@@ -22,13 +25,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from specboost.decoder.validation import model_name
+from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.cost_model import CostModel, device_key
 from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.kv_cache import TreeCache, capacity_for
 from specboost.speculator.predictor import DEPTHS, WIDTHS
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import BeamShape, ChainShape
-from specboost.speculator.tree import TokenTree, TreeBatch
+from specboost.speculator.tree import ChainDraft, TokenTree, TreeBatch
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class ProfileConfig:
     widths: tuple[int, ...] = WIDTHS
     depths: tuple[int, ...] = DEPTHS
     verify_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)  # rows of the chain tables (section 5.3)
     prefix_length: int = 64
     repeats: int = 5
     seed: int = 0
@@ -45,6 +50,13 @@ class ProfileConfig:
             raise ValueError("repeats and prefix_length must be >= 1")
         if min(self.verify_sizes) < 1:
             raise ValueError("verify sizes count tree nodes, root included: they must be >= 1")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("batch_sizes count rows: give at least one, each >= 1")
+
+    @property
+    def chain_nodes(self) -> list[int]:
+        """The chain sizes verified: a plain step (1) and every drafted depth, root included."""
+        return sorted({1, *(1 + d for d in self.depths)})
 
 
 def _interleaved_medians(
@@ -120,6 +132,8 @@ def profile(
                 runs[f"ssm {index} {width},{depth}"] = functools.partial(
                     drafter.draft_one, prefix, shape, probs, depth
                 )
+    batch_sizes = sorted(set(config.batch_sizes))
+    runs |= chain_runs(llm, ssms, prefix, batch_sizes, config)
     pool = PoolDrafter(ssms) if len(ssms) > 1 else None
     if pool is not None and pool.stacked:  # one step of every SSM at once
         steps = [ChainShape(1)] * len(ssms)
@@ -142,4 +156,54 @@ def profile(
         pool_step_seconds=seconds.get("pool step"),
         llm=model_name(llm),
         ssms=[model_name(s) for s in ssms],
+        batch_sizes=batch_sizes,
+        chain_nodes=config.chain_nodes,
+        chain_verify_seconds=[[seconds[f"verify {b}x{n}"] for n in config.chain_nodes] for b in batch_sizes],
+        chain_depths=list(config.depths),
+        chain_seconds=[
+            [[seconds[f"ssm {i} chain {b}x{d}"] for d in config.depths] for b in batch_sizes]
+            for i in range(len(ssms))
+        ],
     )
+
+
+def chain_runs(
+    llm: PreTrainedModel,
+    ssms: list[PreTrainedModel],
+    prefix: list[int],
+    batch_sizes: list[int],
+    config: ProfileConfig,
+) -> dict[str, Callable[[], object]]:
+    """The timed runs of the chain tables (section 5.3): "verify BxN", the LLM's pass over a chain
+    of N nodes in each of B rows after the prefix, then the commit of the root and the truncation a
+    real step does; "ssm I chain BxD", SSM I drafting a D-token greedy chain in each of B rows after
+    the prefix (its cache holding the prefix but the last token, as after a step)."""
+    runs: dict[str, Callable[[], object]] = {}
+    largest = max(config.chain_nodes)
+    for rows in batch_sizes:
+        target = TreeCache(llm, rows, capacity_for(len(prefix) + largest))
+        target.feed_chains([prefix[:-1]] * rows, eager=True)
+        for nodes in config.chain_nodes:
+            chains = ChainDraft(
+                [prefix[-1]] * rows, torch.zeros(rows, nodes - 1, dtype=torch.long), [nodes - 1] * rows, 0
+            )
+            runs[f"verify {rows}x{nodes}"] = functools.partial(
+                _verify_chains, target, chains.batch(), len(prefix)
+            )
+        for index, ssm in enumerate(ssms):
+            drafter = BatchedChainDrafter(ssm)
+            drafter.add_sequences(rows)
+            drafter.draft_greedy([prefix] * rows, [1] * rows)  # fill the cache: timed runs catch up one token
+            for depth in config.depths:
+                runs[f"ssm {index} chain {rows}x{depth}"] = functools.partial(
+                    drafter.draft_greedy, [prefix] * rows, [depth] * rows
+                )
+    return runs
+
+
+def _verify_chains(target: TreeCache, batch: TreeBatch, prefix_length: int) -> None:
+    """One LLM pass over `batch` (one chain per row), the roots kept, then back to the prefix."""
+    target.feed(batch.tokens, prefix_length - 1 + batch.depths, batch.ancestors)
+    target.commit([[0]] * target.rows)
+    for row in range(target.rows):
+        target.truncate(row, prefix_length - 1)

@@ -1,10 +1,13 @@
 """`strategy=` names of `SpeculativeDecoder`, turned into speculation strategies (`Speculator`s).
 
 - "pool": every SSM drafts `shape`; the trees are merged (SpecInfer; the default).
-- "learned": the learned scheduler picks per step and per SSM a beam (b, d) or no draft, from the
-  match-length predictor and the hardware cost model (ALGORITHMS.md section 5). Both come from
-  the arguments or the `SSMPool`; without a predictor it falls back to "pool" with a warning, and
-  without a profile for this device it measures one first (seconds; `specboost profile` stores one).
+- "learned": the learned scheduler, from the match-length predictor and the hardware cost model
+  (ALGORITHMS.md section 5). Both come from the arguments or the `SSMPool`; without a predictor it
+  falls back to "pool" with a warning, and without a profile for this device (or one without chain
+  costs) it measures one first (seconds; `specboost profile` stores one). Its actions
+  (`StrategyOptions.actions`): "chains" (the default; section 5.3), per step and batch plain
+  decoding or one SSM's argmax chain, SSM and length chosen per row; "trees" (section 5, SpecInfer's
+  rule), per step and per SSM a beam (b, d) or no draft, the SSMs' trees merged.
 - "majority": every SSM drafts a greedy chain of `shape`'s length; only the weighted-majority
   chain goes to the LLM, and the SSM weights learn from its verdicts (section 6). Initial weights
   come from the `SSMPool` (else equal).
@@ -40,6 +43,7 @@ from specboost.speculator.length_control import LengthController, make_length_co
 from specboost.speculator.majority import MajorityConfig, MajoritySpeculator, PrunedPoolSpeculator
 from specboost.speculator.no_draft import NoDraftSpeculator
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.sequoia import SequoiaSpeculator
 from specboost.speculator.sequoia_acceptance import AcceptanceVector
@@ -49,6 +53,7 @@ from specboost.speculator.speculation import PoolSpeculator, Speculator
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = 8  # "pruned": drafted nodes kept per step
+LEARNED_ACTIONS = ("chains", "trees")  # the learned scheduler's action spaces
 CHAIN_STRATEGIES = ("pool", "majority", "pruned")  # those a length controller can drive
 
 
@@ -64,6 +69,13 @@ class StrategyOptions:
     acceptance: AcceptanceVector | Sequence[AcceptanceVector] | None = None
     ssm: int | None = None  # "sequoia": the SSM that drafts (default: the most promising)
     majority: MajorityConfig | None = None  # "majority", "pruned": the weight update
+    actions: str | None = None  # "learned": "chains" (the default) or "trees" (see the module doc)
+
+    def __post_init__(self) -> None:
+        if self.actions not in (None, *LEARNED_ACTIONS):
+            raise ValueError(
+                f"actions must be one of {', '.join(map(repr, LEARNED_ACTIONS))}, got {self.actions!r}"
+            )
 
 
 OPTION_USERS: dict[str, tuple[str, ...]] = {  # StrategyOptions field -> the strategies that read it
@@ -73,6 +85,7 @@ OPTION_USERS: dict[str, tuple[str, ...]] = {  # StrategyOptions field -> the str
     "acceptance": ("sequoia",),
     "ssm": ("sequoia",),
     "majority": ("majority", "pruned"),
+    "actions": ("learned",),
 }
 
 
@@ -180,15 +193,19 @@ def _learned(
             inputs.shape,
         )
         return _pool(llm, ssms, pool, inputs)
+    chains = (inputs.options.actions or "chains") == "chains"
     cost = _cost_model(llm, pool, inputs)
-    if cost is None:
+    if cost is None or (chains and not cost.has_chain_costs):
         logger.warning(
-            "no hardware profile for %s: measuring one now (store one with `specboost profile`)",
+            "no hardware profile%s for %s: measuring one now (store one with `specboost profile`)",
+            "" if cost is None else " with chain costs",
             device_key(llm.device, llm.dtype),
         )
         cost = profile(
             llm, ssms, ProfileConfig(widths=predictor.config.widths, depths=predictor.config.depths)
         )
+    if chains:
+        return RoutedScheduler(ssms, predictor, cost)
     fallback = inputs.shape if isinstance(inputs.shape, BeamShape) else None
     return LearnedScheduler(ssms, predictor, cost, fallback)
 

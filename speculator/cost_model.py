@@ -9,6 +9,12 @@ when the SSMs draft one after another), so that a pool's drafting costs its slow
 the stacked step's share (`pool_factor`) rather than the sum. All in seconds, measured by
 `specboost profile` (`specboost.decoder.profiler`).
 
+The chain tables cost the routed scheduler's actions (ALGORITHMS.md section 5.3) at several batch
+sizes: `chain_verify_time(rows, n)` is one LLM pass over `rows` rows of an n-node chain (root
+included), `chain_draft_time(ssm, rows, d)` one SSM's `BatchedChainDrafter` drafting a chain of d
+tokens for `rows` rows (a catch-up pass of one token, then a pass per further token). Both are
+piecewise-linear between the measured sizes and extended linearly past the largest.
+
 A profile file (`hardware_profile.json`, in the pool folder) maps a device key such as
 "cpu: AMD EPYC 7B13 (1 threads)|float32" to one `CostModel`. Latencies measured on one machine
 mean little on another, so `load_cost_model` refuses a file without this machine's key unless
@@ -60,12 +66,25 @@ class CostModel:
     pool_step_seconds: float | None = None  # one step of the stacked pool (None: not stacked)
     llm: str | None = None
     ssms: list[str] = field(default_factory=list)
+    # Chain tables (section 5.3); empty in profiles measured before they existed.
+    batch_sizes: list[int] = field(default_factory=list)  # rows measured, increasing
+    chain_nodes: list[int] = field(default_factory=list)  # chain sizes verified (root included)
+    chain_verify_seconds: list[list[float]] = field(default_factory=list)  # [batch][node size]
+    chain_depths: list[int] = field(default_factory=list)  # chain lengths drafted
+    chain_seconds: list[list[list[float]]] = field(default_factory=list)  # [SSM][batch][depth]
 
     def __post_init__(self) -> None:
         if len(self.verify_tokens) != len(self.verify_seconds) or not self.verify_tokens:
             raise ValueError("a cost model needs verify times for at least one tree size")
         if len(self.speculate_seconds) != len(self.ssm_step_seconds):
             raise ValueError("speculate_seconds and ssm_step_seconds must have one entry per SSM")
+        if self.chain_seconds and len(self.chain_seconds) != len(self.ssm_step_seconds):
+            raise ValueError("chain_seconds must have one entry per SSM")
+
+    @property
+    def has_chain_costs(self) -> bool:
+        """Whether the profile has the chain tables the routed scheduler needs (section 5.3)."""
+        return bool(self.batch_sizes and self.chain_verify_seconds and self.chain_seconds)
 
     @property
     def num_ssms(self) -> int:
@@ -73,12 +92,26 @@ class CostModel:
 
     def verify_time(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
         """L_verify(n): piecewise-linear in the measured sizes, extended linearly past the largest."""
-        x, y = np.asarray(self.verify_tokens, float), np.asarray(self.verify_seconds, float)
-        n = np.asarray(n_tokens, float)
-        inside = np.interp(n, x, y)
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
-        result = np.where(n > x[-1], y[-1] + slope * (n - x[-1]), inside)
+        result = extrapolated(n_tokens, self.verify_tokens, self.verify_seconds)
         return float(result) if result.ndim == 0 else result
+
+    def chain_verify_time(self, rows: int, nodes: np.ndarray) -> np.ndarray:
+        """L_verify(rows, n) of chains of `nodes` sizes (root included) for `rows` rows (5.3)."""
+        per_batch = np.stack([extrapolated(nodes, self.chain_nodes, y) for y in self.chain_verify_seconds])
+        return np.stack(
+            [extrapolated(rows, self.batch_sizes, per_batch[:, j]) for j in range(per_batch.shape[1])]
+        )
+
+    def chain_draft_table(self, max_rows: int) -> np.ndarray:
+        """[SSM, max_rows + 1, chain_depths] seconds of SSM i drafting chains for 0..max_rows rows
+        (0 rows: nothing drafted, 0 s)."""
+        rows = np.arange(1, max_rows + 1)
+        table = np.zeros((self.num_ssms, max_rows + 1, len(self.chain_depths)))
+        for i, per_batch in enumerate(self.chain_seconds):
+            per_batch = np.asarray(per_batch, float)  # [batch, depth]
+            for j in range(per_batch.shape[1]):
+                table[i, 1:, j] = extrapolated(rows, self.batch_sizes, per_batch[:, j])
+        return table
 
     def speculate_time(self, ssm: int, width: int, depth: int) -> float:
         key = f"{width},{depth}"
@@ -100,6 +133,14 @@ class CostModel:
         if self.pool_step_seconds is None:
             return None
         return self.pool_step_seconds / max(self.ssm_step_seconds)
+
+
+def extrapolated(x: float | np.ndarray, xs: list[int], ys: list[float] | np.ndarray) -> np.ndarray:
+    """ys(x), piecewise-linear between the measured points xs, the last segment's slope continued
+    past the largest (a cost keeps growing with size)."""
+    xs, ys, x = np.asarray(xs, float), np.asarray(ys, float), np.asarray(x, float)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), np.interp(x, xs, ys))
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> None:

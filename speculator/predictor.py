@@ -93,7 +93,7 @@ class MatchLengthPredictor(nn.Module):
 
     @torch.inference_mode()
     def compiled(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`predict` for one hidden state [H] -> [num_ssms, widths * depths], with the input
+        """`predict` for hidden states [..., H] -> [..., num_ssms, widths * depths], with the input
         standardisation folded into the first layer and no module dispatch: the scheduler calls
         it every decoding step, where a few microseconds per op add up. Frozen weights."""
         first, second, last = (layer for layer in self.mlp if isinstance(layer, nn.Linear))
@@ -101,12 +101,13 @@ class MatchLengthPredictor(nn.Module):
         b1 = first.bias - w1 @ self.input_mean
         w2, b2, w3, b3 = second.weight.clone(), second.bias.clone(), last.weight.clone(), last.bias.clone()
         cap = self.max_length.repeat(len(self.config.widths))  # [widths * depths], b major
-        shape = (self.config.num_ssms, -1)
+        ssms = self.config.num_ssms
 
         def predict_one(hidden: torch.Tensor) -> torch.Tensor:
             x = F.relu(F.linear(hidden.to(w1.dtype), w1, b1))
             x = F.relu(F.linear(x, w2, b2))
-            return torch.minimum(F.linear(x, w3, b3).view(shape).clamp_(min=0), cap)
+            out = F.linear(x, w3, b3).unflatten(-1, (ssms, -1))
+            return torch.minimum(out.clamp_(min=0), cap)
 
         return predict_one
 

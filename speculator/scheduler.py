@@ -94,7 +94,14 @@ class OnlineCalibration:
         self._renewed = np.zeros((num_ssms, len(depths) + 1), dtype=bool)
         self._new_accepted = np.zeros((num_ssms, len(depths) + 1))
         self._new_predicted = np.zeros((num_ssms, len(depths) + 1))
-        self.grid = self.grid_scales()
+        self._grid: torch.Tensor | None = None
+
+    @property
+    def grid(self) -> torch.Tensor:
+        """`grid_scales()`, computed once per update, when first asked for."""
+        if self._grid is None:
+            self._grid = self.grid_scales()
+        return self._grid
 
     def ssm_scales(self) -> np.ndarray:
         """s_i [S]: accepted / predicted match of each SSM's drafts, with the prior."""
@@ -112,24 +119,85 @@ class OnlineCalibration:
 
     def update(self, choice: _Choice, matched: list[int]) -> None:
         """Add one step's evidence: `matched[i]`, the accepted nodes of SSM i's draft."""
-        renewed, accepted, predicted = self._renewed, self._new_accepted, self._new_predicted
         option = np.asarray(choice.options)  # [S]
-        # The chosen (b_i, d_i) as indices into widths and depths (0 and 0 for an SSM that sat out).
-        b_index, d_index = np.divmod(np.maximum(option - 1, 0), len(self.depths))
+        launched = np.flatnonzero(option > 0)
+        # The chosen (b_i, d_i) as indices into widths and depths.
+        b_index, d_index = np.divmod(option[launched] - 1, len(self.depths))
         grid = choice.match.detach().float().cpu().numpy().reshape(len(option), self.widths, -1)
-        np.minimum(grid[self._ssm, b_index], choice.max_depth, out=predicted[:, :-1])  # f_i(b_i, d)
-        predicted[:, -1] = predicted[self._ssm, d_index]  # f_i(b_i, d_i)
-        accepted[:, -1] = matched  # m_i
-        np.minimum(accepted[:, -1:], self.depths, out=accepted[:, :-1])  # min(m_i, d)
-        reach = np.minimum(self.depths[d_index], choice.max_depth) * (option > 0)  # [S]; 0: sat out
+        matched = np.asarray(matched, dtype=np.float64)[launched]
+        self.observe(launched, grid[launched, b_index], d_index, matched, choice.max_depth)
+
+    def observe(
+        self,
+        ssm: np.ndarray,
+        predicted: np.ndarray,
+        d_index: np.ndarray,
+        matched: np.ndarray,
+        max_depth: int | np.ndarray,
+        fast: bool = True,
+    ) -> None:
+        """Add one step's evidence of n drafts (several may be of one SSM: the rows of a batch,
+        section 5.3): SSM `ssm[k]` drafted `depths[d_index[k]]` deep at most `max_depth` (one
+        number, or one per draft); `predicted[k]` [D] is f of its width at every depth, and
+        `matched[k]` its accepted nodes. Every SSM and depth renewed by some draft decays once.
+        One draft (every step at batch 1) takes `_observe_one`, unless not `fast`."""
+        if fast and len(ssm) == 1:
+            cap = float(np.asarray(max_depth).reshape(-1)[0])
+            self._observe_one(int(ssm[0]), predicted[0], int(d_index[0]), float(matched[0]), cap)
+            return
+        n, depths = len(ssm), len(self.depths)
+        cap = np.broadcast_to(np.asarray(max_depth, dtype=np.float64), (n,))
+        new_predicted = np.empty((n, depths + 1))
+        np.minimum(predicted, cap[:, None], out=new_predicted[:, :-1])  # f_i(b_i, d)
+        new_predicted[:, -1] = new_predicted[np.arange(n), d_index]  # f_i(b_i, d_i)
+        new_accepted = np.empty((n, depths + 1))
+        new_accepted[:, -1] = matched  # m_i
+        np.minimum(matched[:, None], self.depths, out=new_accepted[:, :-1])  # min(m_i, d)
+        reach = np.minimum(self.depths[d_index], cap)  # [n]
+        renewed = np.ones((n, depths + 1), dtype=bool)
         np.less_equal(self.depths, reach[:, None], out=renewed[:, :-1])
-        renewed[:, -1] = option > 0
-        decay = np.where(renewed, self.momentum, IDLE_DECAY)
+        accepted, predicted_sums, renewed_ssm = self._new_accepted, self._new_predicted, self._renewed
+        accepted.fill(0)
+        predicted_sums.fill(0)
+        renewed_ssm.fill(False)
+        if len(set(ssm.tolist())) == n:  # one draft per SSM (always at batch 1): plain indexing
+            accepted[ssm] = new_accepted * renewed
+            predicted_sums[ssm] = new_predicted * renewed
+            renewed_ssm[ssm] = renewed
+        else:  # several rows of a batch drafted by one SSM: their evidence adds up
+            np.add.at(accepted, ssm, new_accepted * renewed)
+            np.add.at(predicted_sums, ssm, new_predicted * renewed)
+            np.logical_or.at(renewed_ssm, ssm, renewed)
+        decay = np.where(renewed_ssm, self.momentum, IDLE_DECAY)
         self.accepted *= decay
-        self.accepted += accepted * renewed
+        self.accepted += accepted
         self.predicted *= decay
-        self.predicted += predicted * renewed
-        self.grid = self.grid_scales()
+        self.predicted += predicted_sums
+        self._grid = None
+
+    def _observe_one(self, ssm: int, predicted: np.ndarray, d_index: int, matched: float, cap: float) -> None:
+        """`observe` of one draft (every step at batch 1), in plain Python on its SSM's few entries:
+        numpy's per-call cost dominates arrays this small. Same arithmetic."""
+        self.accepted *= IDLE_DECAY
+        self.predicted *= IDLE_DECAY
+        accepted, predicted_sums = self.accepted[ssm], self.predicted[ssm]
+        reach, renew = min(float(self.depths[d_index]), cap), self.momentum / IDLE_DECAY
+        for d, depth in enumerate(self.depths.tolist()):
+            if depth <= reach:
+                accepted[d] = accepted[d] * renew + min(matched, depth)
+                predicted_sums[d] = predicted_sums[d] * renew + min(float(predicted[d]), cap)
+        accepted[-1] = accepted[-1] * renew + matched
+        predicted_sums[-1] = predicted_sums[-1] * renew + min(float(predicted[d_index]), cap)
+        self._grid = None
+
+
+def check_pool_size(predictor: MatchLengthPredictor, cost_model: CostModel, num_ssms: int) -> None:
+    """Refuse a predictor or profile made for another pool than the `num_ssms` SSMs given."""
+    if predictor.config.num_ssms != num_ssms or cost_model.num_ssms != num_ssms:
+        raise ValueError(
+            f"the predictor covers {predictor.config.num_ssms} SSMs and the cost model "
+            f"{cost_model.num_ssms}, but the pool has {num_ssms}: train and profile for this pool"
+        )
 
 
 def _clip(scale: np.ndarray) -> np.ndarray:
@@ -190,12 +258,8 @@ class LearnedScheduler:
         calibration: float | None = 0.9,
         cost_correction: float | None = 0.9,
     ) -> None:
+        check_pool_size(predictor, cost_model, len(ssms))
         c = predictor.config
-        if c.num_ssms != len(ssms) or cost_model.num_ssms != len(ssms):
-            raise ValueError(
-                f"the predictor covers {c.num_ssms} SSMs and the cost model {cost_model.num_ssms}, "
-                f"but the pool has {len(ssms)}: train and profile for this pool"
-            )
         self.drafter = PoolDrafter(ssms)
         self.num_ssms = len(ssms)
         self.predictor = predictor.to(ssms[0].device)

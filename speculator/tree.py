@@ -215,6 +215,10 @@ class TreeBatch:
         if not trees:
             raise ValueError("TreeBatch.pack needs at least one tree")
         n = max(len(t) for t in trees)
+        if n == 1:  # roots only (a plain step): nothing to pad, every node sees itself
+            tokens = torch.tensor([t.tokens for t in trees], device=device)
+            ones = torch.ones_like(tokens, dtype=torch.bool)
+            return cls(tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens), ones, ones[:, :, None])
         pad = [n - len(t) for t in trees]
         tokens = torch.tensor(
             [t.tokens + [pad_token] * p for t, p in zip(trees, pad, strict=True)], device=device
@@ -231,14 +235,13 @@ class TreeBatch:
 
 @dataclass
 class ChainDraft:
-    """Greedy chains drafted by one SSM for a batch, still on the model's device: the verifier reads
-    them back together with its verdicts (one host read per step) and only then builds the rows'
-    `TokenTree`s."""
+    """Greedy chains drafted for a batch, still on the models' device: the verifier reads them back
+    together with its verdicts (one host read per step) and only then builds the rows' `TokenTree`s."""
 
     roots: list[int]  # [B] each row's root (its last verified token)
     tokens: torch.Tensor  # [B, L] drafted tokens; row b's first lengths[b] are real
     lengths: list[int]  # [B] drafted tokens per row
-    ssm: int  # the SSM that drafted them
+    ssm: int | list[int]  # the SSM that drafted them, or per row (the routed scheduler's rows)
 
     def batch(self) -> TreeBatch:
         """The chains (root first) as a `TreeBatch` on the tokens' device."""
@@ -257,8 +260,9 @@ class ChainDraft:
     def trees(self, drafted: list[list[int]]) -> list[TokenTree]:
         """The rows' trees, from the drafted tokens read back to the host ([B][L])."""
         out = []
-        for root, tokens, length in zip(self.roots, drafted, self.lengths, strict=True):
+        ssms = [self.ssm] * len(self.roots) if isinstance(self.ssm, int) else self.ssm
+        for root, tokens, length, ssm in zip(self.roots, drafted, self.lengths, ssms, strict=True):
             tree = TokenTree.root_only(root, DraftKind.GREEDY)
-            tree.add_sequence(tokens[:length], self.ssm)
+            tree.add_sequence(tokens[:length], ssm)
             out.append(tree)
         return out

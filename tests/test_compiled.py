@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
+from transformers import PreTrainedModel
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import PassShape
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
+from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.shapes import BeamShape
 
@@ -81,17 +83,26 @@ def test_every_model_keeps_its_compiled_graphs_apart() -> None:
     assert len(codes) == 2 and calls.get(llm) is calls.get(llm)
 
 
-def learned_compiled_decoder() -> SpeculativeDecoder:
-    """The learned scheduler over 2 SSMs choosing among beams (1 or 2 wide, 1 or 2 deep) or nothing:
-    a random predictor and costs under which speculating pays, so that its choices vary with the
-    LLM's state (no online corrections: they would learn from the warm-up's compiling steps)."""
+def two_ssms_and_a_random_predictor(
+    bias: float,
+) -> tuple[PreTrainedModel, list[PreTrainedModel], MatchLengthPredictor]:
+    """An LLM, two noisy copies as SSMs and a random predictor over widths (1, 2) and depths
+    (1, 2) whose estimates sit around `bias`, so that choices vary with the LLM's state."""
     llm = tiny_llama(layers=2, seed=0).float()
     ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.1, seed=2)]
     torch.manual_seed(0)
     config = PredictorConfig(input_size=32, num_ssms=2, widths=(1, 2), depths=(1, 2), hidden_size=16)
     predictor = MatchLengthPredictor(config)
     with torch.no_grad():
-        predictor.mlp[-1].bias.fill_(1.5)
+        predictor.mlp[-1].bias.fill_(bias)
+    return llm, ssms, predictor
+
+
+def learned_compiled_decoder() -> SpeculativeDecoder:
+    """The learned scheduler over 2 SSMs choosing among beams (1 or 2 wide, 1 or 2 deep) or nothing:
+    a random predictor and costs under which speculating pays, so that its choices vary with the
+    LLM's state (no online corrections: they would learn from the warm-up's compiling steps)."""
+    llm, ssms, predictor = two_ssms_and_a_random_predictor(bias=1.5)
     speculate = {"1,1": 0.1, "1,2": 0.2, "2,1": 0.15, "2,2": 0.3}
     cost = CostModel("test|float32", [1, 2, 4, 8], [1.0, 1.05, 1.1, 1.2], [speculate] * 2, [0.05] * 2)
     scheduler = LearnedScheduler(
@@ -105,19 +116,9 @@ def test_learned_scheduler_compiles_nothing_after_warmup() -> None:
     """The learned scheduler (ALGORITHMS.md section 5) picks a beam or nothing per SSM and step;
     `warmup` compiles every pass shape its choices can produce (`ModelCalls.expect_passes`), so
     generations whose choices vary compile nothing new, and their output is `llm.generate`'s."""
-    dec = learned_compiled_decoder()
-    llm = dec.llm
-    dec.warmup()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    choices = set()
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        out = dec.generate(ids, max_new_tokens=24)
-        expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
-        assert torch.equal(out.sequences, expected)
-        choices |= {tuple(map(str, step)) for step in out.stats.strategy["choices"]}
+    reports = generate_after_warmup(learned_compiled_decoder())
+    choices = {tuple(map(str, step)) for report in reports for step in report["choices"]}
     assert len(choices) > 1, choices  # the shapes varied
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_level_passes_cover_every_joint_beam() -> None:
@@ -131,3 +132,47 @@ def test_level_passes_cover_every_joint_beam() -> None:
         PassShape(2, 2, False),
         PassShape(1, 3, False),
     }
+
+
+@pytest.mark.slow
+def test_routed_scheduler_compiles_nothing_after_warmup() -> None:
+    """The routed scheduler (ALGORITHMS.md section 5.3) picks plain or one SSM's chain of 1 or 2
+    tokens per step, for one sequence and for a batch; `warmup` compiles every pass it can cause,
+    so a generation and a batch whose choices vary compile nothing new, and their output is
+    `llm.generate`'s."""
+    llm, ssms, predictor = two_ssms_and_a_random_predictor(bias=0.7)
+    nodes, chains = [1, 2, 3], [[0.1, 0.2], [0.12, 0.22]]
+    cost = CostModel(
+        "test|float32",
+        [1],
+        [1.0],
+        [{}] * 2,
+        [0.05] * 2,
+        batch_sizes=[1, 4],
+        chain_nodes=nodes,
+        chain_verify_seconds=[[1.0, 1.05, 1.1], [1.5, 1.6, 1.7]],
+        chain_depths=[1, 2],
+        chain_seconds=[chains, [[0.3, 0.4], [0.35, 0.45]]],
+    )
+    scheduler = RoutedScheduler(ssms, predictor, cost, calibration=None, cost_correction=None)
+    reports = generate_after_warmup(SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True))
+    actions = {action for report in reports for action in report["actions"]}
+    assert len(actions) > 1, actions  # the choices varied
+
+
+def generate_after_warmup(dec: SpeculativeDecoder) -> list[dict]:
+    """`warmup`, then a generation per prompt: each equals `llm.generate`'s and none compiles a
+    new graph; returns the strategy's report of each."""
+    dec.warmup()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    reports = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = dec.generate(ids, max_new_tokens=24)
+        expected = dec.llm.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24
+        )
+        assert torch.equal(out.sequences, expected)
+        reports.append(out.stats.strategy)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    return reports

@@ -21,12 +21,18 @@ from specboost.decoder import (
     SSMPool,
     StrategyOptions,
     TopologyShape,
+    strategies,
 )
 from specboost.decoder import pool as pool_module
+from specboost.decoder.cli import build_decoder, build_parser
 from specboost.decoder.cli import main as cli_main
+from specboost.decoder.compilation import compile_by_default
 from specboost.decoder.pool import MANIFEST_FILE, PoolDefaults, tokenizer_vocab_hash
+from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.tiny_models import build_tiny_models, build_tokenizer
+from specboost.speculator.cost_model import PROFILE_FILE, device_key, load_cost_model, save_cost_model
 from specboost.speculator.loading import LoadError
+from specboost.speculator.predictor import PREDICTOR_DIR, MatchLengthPredictor, PredictorConfig
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
 from specboost.training import export
 
@@ -400,6 +406,238 @@ def test_export_refuses_defaults_the_pool_cannot_decode(
     (boost / "predictor").mkdir()  # any predictor folder: export copies, it does not load it
     assert export.main([*argv, "--strategy", "learned"]) == 0
     assert read(out / MANIFEST_FILE)["decoding"]["strategy"] == "learned"
+
+
+# ---------------------------------------------------------------- the learned scheduler by default
+
+
+def add_predictor_and_profile(boost: Path, tiny: tuple[Path, list[Path]]) -> None:
+    """A random match-length predictor and this machine's hardware profile (measured fast) in BOOST,
+    where `make predictor` and `make profile` put them."""
+    llm_dir, ssm_dirs = tiny
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    ssms = [AutoModelForCausalLM.from_pretrained(d).eval() for d in ssm_dirs]
+    config = ProfileConfig(verify_sizes=(1, 8, 32), prefix_length=8, repeats=1)
+    save_cost_model(profile(llm, ssms, config, show_progress=False), boost / PROFILE_FILE)
+    torch.manual_seed(0)
+    predictor = MatchLengthPredictor(PredictorConfig(input_size=llm.config.hidden_size, num_ssms=len(ssms)))
+    predictor.save_pretrained(boost / PREDICTOR_DIR)
+
+
+@pytest.fixture(scope="module")
+def learned_export(
+    tmp_path_factory: pytest.TempPathFactory, tiny: tuple[Path, list[Path]]
+) -> tuple[Path, Path]:
+    """(boost folder with a predictor and a profile, its export with no decoding option given):
+    read-only for the tests that share it."""
+    root = tmp_path_factory.mktemp("learned")
+    boost = make_boost(root, tiny)
+    add_predictor_and_profile(boost, tiny)
+    export.export_pool(boost, root / "pool-export")
+    return boost, root / "pool-export"
+
+
+def test_export_recommends_learned_with_a_predictor_and_a_profile(
+    tmp_path: Path, learned_export: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    boost, exported_pool = learned_export
+    assert read(exported_pool / MANIFEST_FILE)["decoding"] == {
+        "strategy": "learned",
+        "shape": {"kind": "chain", "length": 4, "samples": 1},  # only without its predictor
+        "length_controller": None,
+    }
+    assert SSMPool.from_pretrained(exported_pool).defaults == PoolDefaults("learned")
+    card = (exported_pool / "README.md").read_text()
+    assert "strategy `learned`, shape plain decoding or one SSM's chain, the SSM and length picked" in card
+    assert 'strategy="pool",\nshape=ChainShape(4)` for a fixed chain of 4' in card
+    assert export.main(["--boost", str(boost), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "[export] decoding defaults: strategy `learned`" in printed
+    assert "holds a match-length predictor and a hardware profile" in printed
+
+
+@pytest.mark.parametrize(
+    ("present", "missing"),
+    [
+        ((), "no match-length predictor and no hardware profile: `make predictor-data predictor"),
+        (("predictor",), "no hardware profile: `make profile SCHED_POOL="),
+        (("hardware_profile",), "no match-length predictor: `make predictor-data predictor SCHED_POOL="),
+    ],
+)
+def test_export_without_a_predictor_and_a_profile_recommends_a_chain_of_4(
+    tmp_path: Path,
+    tiny: tuple[Path, list[Path]],
+    capsys: pytest.CaptureFixture[str],
+    present: tuple[str, ...],
+    missing: str,
+) -> None:
+    boost = make_boost(tmp_path, tiny)
+    if "predictor" in present:
+        (boost / PREDICTOR_DIR).mkdir()  # export copies it, it does not load it
+    if "hardware_profile" in present:
+        (boost / PROFILE_FILE).write_text("{}")
+    assert export.main(["--boost", str(boost), "--out", str(tmp_path / "out")]) == 0
+    manifest = read(tmp_path / "out" / MANIFEST_FILE)
+    assert PoolDefaults.from_manifest(manifest) == PoolDefaults("pool", ChainShape(4))
+    printed = capsys.readouterr().out
+    assert "[export] decoding defaults: strategy `pool`, shape `ChainShape(length=4)`" in printed
+    assert missing in printed
+
+
+def test_explicit_export_options_win_over_the_recommendation(
+    tmp_path: Path, learned_export: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A predictor and a profile in BOOST, yet --strategy (or a shape or length controller, which
+    mean strategy pool without one) decides."""
+    argv = ["--boost", str(learned_export[0]), "--out", str(tmp_path / "out")]
+    for options, expected in [
+        (["--strategy", "pool"], PoolDefaults("pool", ChainShape(4))),
+        (["--chain-length", "3"], PoolDefaults("pool", ChainShape(3))),
+        (["--beam", "2", "3"], PoolDefaults("pool", BeamShape(2, 3))),
+        (["--length-controller", "bass"], PoolDefaults("pool", ChainShape(4), "bass")),
+        (["--strategy", "majority"], PoolDefaults("majority", ChainShape(4))),
+        (["--strategy", "learned", "--beam", "2", "3"], PoolDefaults("learned", BeamShape(2, 3))),
+    ]:
+        assert export.main([*argv, *options]) == 0
+        assert SSMPool.from_pretrained(tmp_path / "out").defaults == expected, options
+        assert "[export] as given by the options" in capsys.readouterr().out
+
+
+def test_from_pretrained_decodes_with_the_learned_scheduler_a_pool_recommends(
+    learned_export: tuple[Path, Path], tiny: tuple[Path, list[Path]]
+) -> None:
+    llm_dir, _ = tiny
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    ids = torch.randint(4, 260, (1, 10))
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    decoder = SpeculativeDecoder.from_pretrained(llm_dir, learned_export[1])
+    assert decoder.calls.enabled == compile_by_default(decoder.llm.device)  # compile="auto": CUDA only
+    result = decoder.generate(ids, max_new_tokens=12)
+    assert result.stats.strategy["strategy"] == "learned"
+    assert torch.equal(result.sequences, expected)
+    # A fixed chain: strategy="pool" with its shape; a shape alone over "learned" means the same.
+    fixed = SpeculativeDecoder.from_pretrained(llm, learned_export[1], strategy="pool", shape=ChainShape(4))
+    assert fixed.speculator.report() == {"strategy": "pool", "shape": "ChainShape(length=4)"}
+    assert torch.equal(fixed.generate(ids, max_new_tokens=12).sequences, expected)
+    chain = SpeculativeDecoder.from_pretrained(llm, learned_export[1], shape=ChainShape(6))
+    assert chain.speculator.report() == {"strategy": "pool", "shape": "ChainShape(length=6)"}
+    bass = SpeculativeDecoder.from_pretrained(llm, learned_export[1], length_controller="bass")
+    assert bass.speculator.report()["strategy"] == "pool"
+    # One SSM of the pool, a fixed chain: the SSM's folder, or the loaded pool's model.
+    pool = SSMPool.from_pretrained(learned_export[1])
+    one = SpeculativeDecoder(llm, [pool.models[1]], pool.tokenizer, shape=ChainShape(4))
+    assert torch.equal(one.generate(ids, max_new_tokens=12).sequences, expected)
+
+
+def test_generate_and_serve_decode_with_the_learned_scheduler_a_pool_recommends(
+    learned_export: tuple[Path, Path], tiny: tuple[Path, list[Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    models = ["--llm", str(tiny[0]), "--pool", str(learned_export[1])]
+    argv = ["generate", *models, "--prompt", "Once", "--json", "--max-new-tokens", "6"]
+    for options, strategy, shape in [
+        ([], "learned", None),
+        (["--strategy", "pool"], "pool", "ChainShape(length=4)"),
+        (["--length", "3"], "pool", "ChainShape(length=3)"),
+        (["--strategy", "pool", "--ssm", str(learned_export[1] / "ssm-0")], None, None),
+    ]:
+        if strategy is None:  # --ssm and --pool together: a usage error; one SSM is --ssm POOL/ssm-0
+            with pytest.raises(SystemExit):
+                cli_main([*argv, *options])
+            continue
+        assert cli_main([*argv, *options]) == 0
+        report = json.loads(capsys.readouterr().out)["stats"]["strategy"]
+        assert report["strategy"] == strategy and report.get("shape") == shape, options
+    one = ["generate", "--llm", str(tiny[0]), "--ssm", str(learned_export[1] / "ssm-0"), "--prompt", "Once"]
+    assert cli_main([*one, "--json", "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["strategy"]["shape"] == "ChainShape(length=4)"
+    decoder = build_decoder(build_parser().parse_args(["serve", *models]))  # what `specboost serve` serves
+    ids = torch.randint(4, 260, (1, 6))
+    assert decoder.generate(ids, max_new_tokens=4).stats.strategy["strategy"] == "learned"
+
+
+def test_a_recommended_learned_scheduler_measures_here_when_the_profile_is_foreign(
+    tmp_path: Path,
+    learned_export: tuple[Path, Path],
+    tiny: tuple[Path, list[Path]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The pool's profile was measured elsewhere (another machine or thread count): the learned
+    scheduler the pool recommends measures this machine's latencies, with a warning saying how to
+    avoid it; an explicit strategy="learned" refuses the profile as before; force_profile uses it."""
+    foreign = tmp_path / "pool"
+    shutil.copytree(learned_export[1], foreign)
+    here = load_cost_model(foreign / PROFILE_FILE, device_key("cpu", torch.float32))
+    document = read(foreign / PROFILE_FILE)
+    document["profiles"] = {"cuda: Elsewhere|float32": next(iter(document["profiles"].values()))}
+    (foreign / PROFILE_FILE).write_text(json.dumps(document))
+    measured: list[int] = []
+
+    def measure(*args: Any, **kwargs: Any) -> Any:
+        measured.append(1)
+        return here
+
+    monkeypatch.setattr(strategies, "profile", measure)
+    llm = AutoModelForCausalLM.from_pretrained(tiny[0]).eval()
+    pool = SSMPool.from_pretrained(foreign)
+    with pytest.raises(ValueError, match="not on this machine"):
+        SpeculativeDecoder.from_pretrained(llm, pool, strategy="learned")
+    with caplog.at_level(logging.WARNING, logger="specboost.decoder.pool"):
+        decoder = SpeculativeDecoder.from_pretrained(llm, pool)
+    assert measured == [1] and "measured on cuda: Elsewhere|float32, not on this machine" in caplog.text
+    assert "--force-profile" in caplog.text and pool.manifest["hardware_profile"] is not None  # not changed
+    assert (
+        decoder.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4).stats.strategy["strategy"] == "learned"
+    )
+    SpeculativeDecoder.from_pretrained(llm, pool, force_profile=True)
+    assert measured == [1]  # the foreign profile, as forced
+    argv = [
+        "generate",
+        "--llm",
+        str(tiny[0]),
+        "--pool",
+        str(foreign),
+        "--prompt",
+        "Once",
+        "--max-new-tokens",
+        "4",
+    ]
+    assert cli_main(argv) == 0 and measured == [1, 1]
+
+
+def test_a_pool_recommending_learned_without_a_predictor_falls_back_to_its_shape(
+    tmp_path: Path,
+    exported: tuple[Path, Path],
+    tiny: tuple[Path, list[Path]],
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A manifest that recommends "learned" but ships no predictor (edited by hand): the decoder's
+    warning and the fixed shape, from Python and the command line; --strategy learned still refuses."""
+    edited = tmp_path / "pool"
+    shutil.copytree(exported[1], edited)
+    manifest = read(edited / MANIFEST_FILE)
+    (edited / MANIFEST_FILE).write_text(
+        json.dumps({**manifest, "decoding": PoolDefaults("learned").to_manifest()})
+    )
+    with caplog.at_level(logging.WARNING, logger="specboost.decoder.strategies"):
+        decoder = SpeculativeDecoder.from_pretrained(tiny[0], edited)
+    assert "needs a match-length predictor" in caplog.text
+    assert decoder.speculator.report() == {"strategy": "pool", "shape": "ChainShape(length=4)"}
+    argv = [
+        "generate",
+        "--llm",
+        str(tiny[0]),
+        "--pool",
+        str(edited),
+        "--prompt",
+        "Once",
+        "--max-new-tokens",
+        "4",
+    ]
+    assert cli_main(argv) == 0
+    assert cli_main([*argv, "--strategy", "learned"]) == 2
+    assert "--strategy learned needs --predictor DIR" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- push

@@ -41,6 +41,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from scipy import stats
+from test_scheduler import SPECULATE, VERIFY, constant_predictor, cost_table
 
 from specboost.decoder import (
     BeamShape,
@@ -706,6 +707,29 @@ def sample_decoder(
     return counts, accepted / samples
 
 
+def sample_batches(
+    dec: SpeculativeDecoder, batch: int, max_new_tokens: int, seed0: int, **sampling
+) -> Counter:
+    """Counts of the generated token tuples of E2E_SAMPLES rows: batches of `batch` rows of the
+    prompt, one seed per batch (each row gets its own stream); checks that drafts were accepted."""
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(seed0, seed0 + E2E_SAMPLES // batch):
+        out = dec.generate(
+            torch.tensor([PROMPT] * batch),
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            seed=seed,
+            eos_token_id=None,
+            **sampling,
+        )
+        for row in out.sequences[:, len(PROMPT) :].tolist():
+            counts[tuple(row)] += 1
+        accepted += sum(s.accepted_tokens for s in out.stats.sequences)
+    assert accepted > 0, "no draft was accepted"
+    return counts
+
+
 def assert_lossless(counts: Counter, exact: torch.Tensor, label: str) -> dict[int, float]:
     """Chi-square on the joint of every prefix length >= 2 (pairs, then triples)."""
     pvalues = {}
@@ -776,6 +800,33 @@ def test_target_beam(models) -> None:
     check_decoder(dec, 3, seed0=40_000, min_accepted=0.15, temperature=1.3, top_k=4)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_routed_chains(models, batch: int) -> None:
+    """The routed scheduler (ALGORITHMS.md section 5.3): per step plain or one SSM's argmax chain,
+    the SSM and length from a predictor that favours drafting, verified by the target rule; alone
+    and in a batch of 4 rows of the prompt (each with its own seed) routed together. T=1.3, top_k=4."""
+    predictor = constant_predictor([[[0.9, 1.8], [1.0, 2.0]]] * 2)
+    dec = SpeculativeDecoder(
+        models["llm"],
+        [models["ssm_a"], models["ssm_b"]],
+        strategy="learned",
+        predictor=predictor,
+        cost_model=cost_table(2, VERIFY, SPECULATE),
+    )
+    router = dec.speculator.router
+    router.calibration = router.costs = None  # a made-up profile: keep drafting on its numbers
+    sampling = dict(temperature=1.3, top_k=4)
+    if batch == 1:
+        check_decoder(dec, 3, seed0=45_000, min_accepted=0.15, **sampling)
+        return
+    counts = sample_batches(dec, batch, 3, 46_000, **sampling)
+    assert_lossless(
+        counts,
+        exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 3),
+        "routed batch",
+    )
+
+
 def test_target_topology(models) -> None:
     """Target sampling on a Sequoia topology (3 children at the root); T=0.7, top_p=0.9, top_k=5."""
     shape = TopologyShape.from_children_counts([[3], [2, 1, 0]])
@@ -839,20 +890,8 @@ def test_k_sequential_batched(models) -> None:
     dec = SpeculativeDecoder(
         models["llm"], [models["ssm_a"]], shape=ChainShape(2, samples=2), rule="k_sequential"
     )
-    counts: Counter = Counter()
     sampling = dict(temperature=1.0, top_k=5)
-    for seed in range(80_000, 80_000 + E2E_SAMPLES // 4):
-        out = dec.generate(
-            torch.tensor([PROMPT] * 4),
-            max_new_tokens=2,
-            do_sample=True,
-            seed=seed,
-            eos_token_id=None,
-            **sampling,
-        )
-        for row in out.sequences[:, len(PROMPT) :].tolist():
-            counts[tuple(row)] += 1
-    assert sum(s.accepted_tokens for s in out.stats.sequences) > 0
+    counts = sample_batches(dec, 4, 2, 80_000, **sampling)
     exact = exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 2)
     assert_lossless(counts, exact, "batched k_sequential")
 

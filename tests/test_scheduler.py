@@ -13,15 +13,18 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_llama
 from datasets import Dataset
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specboost.decoder import SpeculativeDecoder
 from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import scheduler as scheduler_module
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
 from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
-from specboost.speculator.scheduler import COST_RANGE, IDLE_DECAY, LearnedScheduler
+from specboost.speculator.scheduler import COST_RANGE, IDLE_DECAY, LearnedScheduler, OnlineCalibration
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.tree import DraftKind, TokenTree
@@ -29,6 +32,7 @@ from specboost.training.predictor_data import DATA_DIR, METADATA_FILE
 from specboost.training.train_predictor import TrainPredictorConfig, train_predictor
 
 WIDTHS, DEPTHS = (1, 2), (1, 4)
+TREES = StrategyOptions(actions="trees")  # the beam scheduler (section 5), not the routed chains
 
 
 def constant_predictor(values: list[list[list[float]]], input_size: int = 32) -> MatchLengthPredictor:
@@ -43,12 +47,23 @@ def constant_predictor(values: list[list[list[float]]], input_size: int = 32) ->
 
 
 def cost_table(num_ssms: int, verify: list[float], speculate: dict[str, float]) -> CostModel:
+    """A made-up profile; its chain tables (section 5.3) take the width-1 drafts' times, at batch 1
+    and, 1.5x slower drafting and 2x slower verification, at batch 8."""
+    sizes = [1, 2, 4, 8, 16]
+    nodes = [1, *(1 + d for d in DEPTHS)]
+    chain_verify = np.interp(nodes, sizes, verify).tolist()
+    chains = [speculate.get(f"1,{d}", 0.1 * d) for d in DEPTHS]
     return CostModel(
         device="test|float64",
-        verify_tokens=[1, 2, 4, 8, 16],
+        verify_tokens=sizes,
         verify_seconds=verify,
         speculate_seconds=[dict(speculate) for _ in range(num_ssms)],
         ssm_step_seconds=[0.001] * num_ssms,
+        batch_sizes=[1, 8],
+        chain_nodes=nodes,
+        chain_verify_seconds=[chain_verify, [2 * s for s in chain_verify]],
+        chain_depths=list(DEPTHS),
+        chain_seconds=[[chains, [1.5 * s for s in chains]] for _ in range(num_ssms)],
     )
 
 
@@ -175,10 +190,11 @@ def test_mismatched_pool_sizes_are_refused() -> None:
 
 
 # Decoding with it -------------------------------------------------------------------------------
+@pytest.mark.parametrize("actions", ["chains", "trees"])
 @pytest.mark.parametrize("prompt_length", [1, 6])
-def test_learned_strategy_reproduces_greedy_decoding(prompt_length: int) -> None:
-    """Varied choices (a predictor from random weights, real measured costs): the output is still
-    the LLM's own greedy output, token for token."""
+def test_learned_strategy_reproduces_greedy_decoding(prompt_length: int, actions: str) -> None:
+    """Varied choices (a predictor from random weights, real measured costs), routed chains (5.3)
+    or beam trees (5): the output is still the LLM's own greedy output, token for token."""
     llm = tiny_llama(layers=2, seed=0)
     ssms = [tiny_llama(layers=1, seed=1), tiny_llama(layers=1, seed=2)]
     torch.manual_seed(0)
@@ -186,7 +202,10 @@ def test_learned_strategy_reproduces_greedy_decoding(prompt_length: int) -> None
     with torch.no_grad():
         predictor.mlp[-1].bias.fill_(1.5)
     cost = profile(llm, ssms, ProfileConfig(WIDTHS, DEPTHS, (1, 4, 16), prefix_length=4, repeats=1), False)
-    decoder = SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost)
+    options = StrategyOptions(actions=actions)
+    decoder = SpeculativeDecoder(
+        llm, ssms, strategy="learned", predictor=predictor, cost_model=cost, strategy_options=options
+    )
     prompt = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(3))
     out = decoder.generate(prompt, max_new_tokens=30)
     expected = llm.generate(prompt, max_new_tokens=30, do_sample=False)
@@ -321,7 +340,9 @@ def test_decoding_with_a_bad_favourite_moves_to_the_good_ssm(do_sample: bool) ->
         llm.lm_head.weight.mul_(100)
     ssms = [tiny_llama(layers=2, seed=7), copy.deepcopy(llm)]
     predictor, cost = constant_predictor(FAVOURS_SSM_0), cost_table(2, VERIFY, SPECULATE)
-    decoder = SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost)
+    decoder = SpeculativeDecoder(
+        llm, ssms, strategy="learned", predictor=predictor, cost_model=cost, strategy_options=TREES
+    )
     decoder.speculator.costs = None  # a made-up profile: keep its costs (no correction by time, 5.2)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     out = decoder.generate(prompt, max_new_tokens=40, do_sample=do_sample, seed=0)
@@ -345,6 +366,7 @@ def test_warmup_leaves_no_correction_behind() -> None:
         strategy="learned",
         predictor=constant_predictor(FAVOURS_SSM_0),
         cost_model=cost_table(2, VERIFY, SPECULATE),
+        strategy_options=TREES,
     )
     scheduler = decoder.speculator
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
@@ -573,3 +595,27 @@ def test_cost_correction_in_the_per_ssm_path(clock: list[float]) -> None:
     verify = torch.tensor([VERIFY[0]] + [VERIFY[0] + 0.25e-3 * b * d for b, d in scheduler.options[1:]])
     spec = torch.tensor([0.0] + [SPECULATE[f"{b},{d}"] for b, d in scheduler.options[1:]])
     torch.testing.assert_close(scheduler.seconds, (7 / 4 * verify + spec).expand(2, -1).float())
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    ssm=st.integers(0, 2),
+    depth=st.integers(0, 1),
+    matched=st.integers(0, 4),
+    cap=st.integers(1, 6),
+    predicted=st.lists(st.floats(0, 4), min_size=2, max_size=2),
+    history=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 4)), max_size=4),
+)
+def test_one_draft_updates_as_the_vectorized_rule(ssm, depth, matched, cap, predicted, history) -> None:
+    """The plain-Python update of one draft (batch 1, every step) equals the vectorized one."""
+    one, many = (OnlineCalibration(3, 1, DEPTHS, 0.9, torch.device("cpu")) for _ in range(2))
+    for i, d, m in history:  # some evidence first, the same in both
+        for calibration in (one, many):
+            calibration.observe(
+                np.array([i]), np.array([[1.0, 2.0]]), np.array([d]), np.array([m]), 4, fast=False
+            )
+    draft = (np.array([ssm]), np.array([predicted]), np.array([depth]), np.array([float(matched)]), cap)
+    one.observe(*draft)
+    many.observe(*draft, fast=False)
+    np.testing.assert_allclose(one.accepted, many.accepted)
+    np.testing.assert_allclose(one.predicted, many.predicted)

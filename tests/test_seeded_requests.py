@@ -1,12 +1,15 @@
 """A seeded sampled request gives the same tokens in the serving engine whatever shares its batch:
 its chain length is its strategy's own, not the batch controller's (which follows the other rows),
 so its random draws depend on its seed alone. Both ways of drafting a batch: the pool's chains
-drafted together, and a speculator copy per row (several sampled chains per SSM)."""
+drafted together, and a speculator copy per row (several sampled chains per SSM). The routed
+scheduler decides for the whole batch, but its drafts are argmax chains verified by the target
+rule, which draws one sample per emitted token whatever was drafted."""
 
 from __future__ import annotations
 
 import pytest
 from test_greedy_equivalence import _noisy, llm_for
+from test_scheduler import FAVOURS_SSM_0, SPECULATE, VERIFY, constant_predictor, cost_table
 
 from specboost.decoder import ChainShape, SpeculativeDecoder
 from specboost.decoder.engine import Engine, EngineConfig
@@ -18,8 +21,16 @@ SAMPLED = {"max_new_tokens": 24, "do_sample": True, "temperature": 0.9}
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(shape=ChainShape(3)), dict(shape=ChainShape(2, samples=2), rule="k_sequential")],
-    ids=["batched-chains", "per-row-speculators"],
+    [
+        dict(shape=ChainShape(3)),
+        dict(shape=ChainShape(2, samples=2), rule="k_sequential"),
+        dict(
+            strategy="learned",
+            predictor=constant_predictor(FAVOURS_SSM_0),
+            cost_model=cost_table(2, VERIFY, SPECULATE),
+        ),
+    ],
+    ids=["batched-chains", "per-row-speculators", "routed"],
 )
 def test_a_seed_gives_the_same_tokens_alone_and_beside_other_requests(kwargs: dict) -> None:
     decoder = SpeculativeDecoder(llm_for("llama", 0), _noisy(0.1, 0.3)("llama", 0), **kwargs)

@@ -36,6 +36,14 @@ STRATEGY_CASES = {
         dict(predictor=constant_predictor([[[0.5, 1.5], [1.0, 2.5]]] * 2), cost_model=COST),
         "learned",
     ),
+    "learned-trees": (
+        dict(
+            predictor=constant_predictor([[[0.5, 1.5], [1.0, 2.5]]] * 2),
+            cost_model=COST,
+            strategy_options=StrategyOptions(actions="trees"),
+        ),
+        "learned",
+    ),
     "majority": (
         dict(shape=ChainShape(3), strategy_options=StrategyOptions(majority=MajorityConfig())),
         "majority",
@@ -141,6 +149,10 @@ ERRORS = {
     "length controller for learned": (
         dict(strategy="learned", length_controller="minions"),
         "does not draft chains",
+    ),
+    "actions for another strategy": (
+        dict(strategy="pool", strategy_options=StrategyOptions(actions="trees")),
+        r"StrategyOptions\(actions=...\) is for strategy='learned'",
     ),
     "unknown length controller": (dict(length_controller="magic"), "unknown length controller 'magic'"),
     "majority of beams": (

@@ -13,11 +13,13 @@ import pytest
 from specboost.decoder.bench.markdown import (
     HEADLINE_MARKERS,
     RESULTS_MARKERS,
+    actions_line,
     fill_readme,
     headline_markdown,
     markdown_report,
     markdown_table,
     results_page,
+    speculative,
 )
 from specboost.decoder.bench.protocol import Report
 from specboost.decoder.bench.records import Cell, CellRun, RunRecord, row_stats
@@ -25,6 +27,8 @@ from specboost.decoder.bench.suite import SuiteConfig
 from specboost.decoder.bench.summary import (
     Spread,
     accepted_at_least,
+    action_shares,
+    best_fixed,
     median_per_token_latency,
     summarise,
     tables,
@@ -428,11 +432,11 @@ def test_only_batch_tables_show_the_per_token_latency() -> None:
     single_header = markdown_table(single).splitlines()[0]
     assert single_header == (
         "| rank | method | tokens/step | drafted/step | acceptance | per SSM | draft/verify/other "
-        "| tokens/s | vs plain | vs best plain | vs HF assisted | output |"
+        "| tokens/s | vs plain | vs best plain | vs HF assisted | vs best fixed | output |"
     )
     lines = markdown_table(batch).splitlines()
     assert "| tokens/s | ms/token first / last / mean | vs plain |" in lines[0]
-    assert lines[1] == "|" + "---|" * 13
+    assert lines[1] == "|" + "---|" * 14
     assert any("`plain`" in line and "| 100.00 / 250.00 / 175.00 |" in line for line in lines)
     assert any("`batched`" in line and "| 50.00 / 60.00 / 55.00 |" in line for line in lines)
 
@@ -469,3 +473,118 @@ def test_low_precision_runs_report_agreement_with_float32_instead_of_failing() -
         tables([CellRun(Cell("stories", "greedy", True, 1, exact=False), METHODS, low)])[0]
     )
     assert "67% = float32 plain" in table and "DIFFERS" not in table
+
+
+# vs the best fixed row, and what a learned scheduler chose ----------------------------------------
+SCHEDULERS = {"learned": "learned", "learned+compiled": "compiled", "learned+oracle": "oracle", "oracle": "o"}
+
+
+def with_schedulers(base: list[RunRecord]) -> list[RunRecord]:
+    """`base` plus the learned rows and the scheduler evaluation's oracle: `learned` takes 0.3, 0.5,
+    0.4 s (median 30 tokens/s, faster than chain[0]'s 26.7), the others 0.1 s; none is fixed."""
+    out = list(base)
+    for repeat, seconds in enumerate((0.3, 0.5, 0.4)):
+        out.append(ours("learned", repeat, seconds, MATCHES))
+        out += [ours(name, repeat, 0.1, MATCHES) for name in SCHEDULERS if name != "learned"]
+    return out
+
+
+def test_speedup_vs_best_fixed_is_per_repeat_against_the_fastest_non_learned_row() -> None:
+    rows = rows_by_name(summarise(with_schedulers(records()), METHODS | SCHEDULERS, greedy=True))
+    # chain[0] (0.4, 0.45, 0.5 s) is the fastest fixed row; learned vs it per repeat: 0.4/0.3,
+    # 0.45/0.5, 0.5/0.4 = 1.33, 0.9, 1.25.
+    vs_fixed = rows["learned"].speedup_vs_best_fixed
+    assert (vs_fixed.median, vs_fixed.low, vs_fixed.high) == pytest.approx((0.5 / 0.4, 0.9, 0.4 / 0.3))
+    assert rows["chain[0]"].speedup_vs_best_fixed == Spread(1.0, 1.0, 1.0)
+    # plain per repeat: 0.4/1.2, 0.45/1.0, 0.5/1.1.
+    assert rows["plain"].speedup_vs_best_fixed.median == pytest.approx(0.45)
+    assert rows["learned+oracle"].speedup_vs_best_fixed.median == pytest.approx(4.5)  # 0.45 / 0.1
+    assert best_fixed(rows.values()).method == "chain[0]"
+    assert not speculative("learned+oracle") and not speculative("oracle")
+
+
+def test_a_differing_row_is_not_the_best_fixed_one() -> None:
+    rows = rows_by_name(summarise(records(chain_identical=False), METHODS, greedy=True))
+    assert best_fixed(rows.values()).method == "hf_assisted[1]"
+    assert rows["chain[0]"].speedup_vs_best_fixed is None
+    # hf_assisted[0] vs hf_assisted[1] per repeat: 0.6/0.8, 0.5/0.9, 0.55/1.0.
+    assert rows["hf_assisted[0]"].speedup_vs_best_fixed.median == pytest.approx(0.5 / 0.9)
+
+
+def test_the_table_names_its_best_fixed_row() -> None:
+    runs = [CellRun(Cell("stories", "greedy", True, 1), METHODS | SCHEDULERS, with_schedulers(records()))]
+    text = markdown_table(tables(runs)[0])
+    assert "| vs HF assisted | vs best fixed | output |" in text.splitlines()[0]
+    assert "\nBest fixed row: `chain[0]` (26.7 tokens/s).\n" in text  # 12 tokens / 0.45 s
+    learned = next(line for line in text.splitlines() if line.startswith("| ") and "`learned` |" in line)
+    assert "| 1.25x (0.90-1.33) | same |" in learned
+
+
+# Actions per (category, repeat): 61 x "SSM 1 x4", 20 x "SSM 1 x8", 12 x "plain", 7 x "SSM 0 x2".
+ACTIONS = {
+    "stories": [{"SSM 1 x4": 20, "plain": 4}, {"SSM 1 x4": 10, "SSM 1 x8": 10}, {"SSM 0 x2": 7}],
+    "math": [{"SSM 1 x4": 21, "plain": 8}, {"SSM 1 x8": 10}, {"SSM 1 x4": 10}],
+}
+
+
+def learned_runs(actions: dict[str, list[dict[str, int]]] | None) -> list[CellRun]:
+    """Two categories with a `learned` row whose strategy reports `actions` per repeat (None: it
+    reports none, as before the scheduler counted them)."""
+    methods = METHODS | {"learned": "the learned scheduler"}
+    runs = []
+    for category in ("stories", "math"):
+        rs = with_schedulers(records())
+        rs = [r for r in rs if r.method in methods]
+        for r in rs:
+            if r.method == "learned":
+                r.stats["strategy"] = {"decision_seconds": 0.0}
+                if actions is not None:
+                    r.stats["strategy"]["actions"] = actions[category][r.repeat]
+        runs.append(CellRun(Cell(category, "greedy", True, 1), methods, rs))
+    return runs
+
+
+def test_action_shares_sum_over_repeats_and_categories_largest_first() -> None:
+    row = tables(learned_runs(ACTIONS))[0].row("learned")
+    assert row.action_steps == 100
+    assert list(row.action_shares.items()) == [
+        ("SSM 1 x4", 0.61),
+        ("SSM 1 x8", 0.2),
+        ("plain", 0.12),
+        ("SSM 0 x2", 0.07),
+    ]
+    text = markdown_table(tables(learned_runs(ACTIONS))[0])
+    line = "`learned` chose: SSM 1 x4 61%, SSM 1 x8 20%, plain 12%, SSM 0 x2 7% (of 100 steps)."
+    assert f"\n{line}\n" in text
+    assert text.count(" chose: ") == 1  # the fixed rows report no actions
+
+
+def test_action_line_names_the_eight_most_frequent_then_other() -> None:
+    counts = {f"SSM 0 x{n}": n for n in range(1, 11)} | {"plain": 10, "never": 0}  # 65 steps
+    record = ours("learned", 0, 1.0, MATCHES)
+    record.stats["strategy"] = {"actions": counts}
+    shares, steps = action_shares([record])
+    assert steps == 65 and "never" not in shares
+    assert list(shares)[:3] == ["SSM 0 x10", "plain", "SSM 0 x9"]  # ties by name
+    row = rows_by_name(summarise([*records(), record], METHODS | {"learned": "l"}, greedy=True))["learned"]
+    assert actions_line(row) == (
+        "`learned` chose: SSM 0 x10 15%, plain 15%, SSM 0 x9 14%, SSM 0 x8 12%, SSM 0 x7 11%, "
+        "SSM 0 x6 9%, SSM 0 x5 8%, SSM 0 x4 6%, other 9% (of 65 steps)."
+    )
+
+
+def test_a_report_without_actions_renders_and_its_json_keeps_the_new_fields(tmp_path: Path) -> None:
+    old = learned_runs(None)
+    learned = tables(old)[0].row("learned")
+    assert learned.action_shares is None and learned.action_steps == 0
+    assert " chose: " not in markdown_report(suite_report(tmp_path, old))
+    assert action_shares([]) == (None, 0)
+    runs = learned_runs(ACTIONS)
+    SuiteConfig(fixture="tiny").write(suite_report(tmp_path, runs), tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "suite.json").read_text())
+    row = {r["method"]: r for r in data["tables"][0]["rows"]}["learned"]
+    assert row["action_shares"] == {"SSM 1 x4": 0.61, "SSM 1 x8": 0.2, "plain": 0.12, "SSM 0 x2": 0.07}
+    assert row["action_steps"] == 100 and set(row["speedup_vs_best_fixed"]) == {"median", "low", "high"}
+    last = [r for r in data["runs"][0]["records"] if r["method"] == "learned"][-1]
+    assert last["stats"]["strategy"]["actions"] == {"SSM 0 x2": 7}  # stories, repeat 2
+    assert " chose: SSM 1 x4 61%" in (tmp_path / "out" / "report.md").read_text()

@@ -10,18 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export_pool import make_boost
-from transformers import AutoModelForCausalLM
+from test_export_pool import add_predictor_and_profile, make_boost
 
 from specboost.decoder.bench.methods import Models, generate_method
 from specboost.decoder.bench.records import GREEDY, Decoding
 from specboost.decoder.bench.suite import SuiteConfig, measured_tv
 from specboost.decoder.bench.workloads import Prompt, encode_batches
 from specboost.decoder.cli import main
-from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.tiny_models import build_tiny_models
-from specboost.speculator.cost_model import PROFILE_FILE, save_cost_model
-from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
 from specboost.training import bench_fixture, export
 
@@ -34,13 +30,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("suite")
     llm_dir, ssm_dirs = build_tiny_models(root / "tiny")
     boost = make_boost(root, (llm_dir, ssm_dirs))
-    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
-    ssms = [AutoModelForCausalLM.from_pretrained(d).eval() for d in ssm_dirs]
-    config = ProfileConfig(verify_sizes=(1, 8, 32), prefix_length=8, repeats=1)
-    save_cost_model(profile(llm, ssms, config, show_progress=False), boost / PROFILE_FILE)
-    torch.manual_seed(0)
-    predictor = MatchLengthPredictor(PredictorConfig(input_size=llm.config.hidden_size, num_ssms=len(ssms)))
-    predictor.save_pretrained(boost / "predictor")
+    add_predictor_and_profile(boost, (llm_dir, ssm_dirs))
     vectors = [AcceptanceVector((0.7, 0.2), "greedy", 10), AcceptanceVector((0.5, 0.3), "greedy", 10)]
     save_acceptance_file(vectors, boost / ACCEPTANCE_FILE)
     export.export_pool(boost, root / "pool")
@@ -79,14 +69,20 @@ def test_the_suite_runs_every_method_on_given_models(
     assert set(greedy_1) == {
         "plain", "plain_static", "hf_assisted[0]", "hf_assisted[1]", "chain[0]", "chain[1]", "stairs[0]",
         "pool_chain", "pool_beam", "majority", "majority+adaptive", "pruned", "sequoia", "learned",
+        "learned+oracle",
     }  # fmt: skip
     sampled_1 = {row["method"] for row in record["tables"][1]["rows"]}
-    assert sampled_1 == set(greedy_1) - {"stairs[0]"} | {"pool_chain+kseq", "chain[0]x3", "chain[0]x3+kseq"}
+    assert sampled_1 == set(greedy_1) - {"stairs[0]", "learned+oracle"} | {
+        "pool_chain+kseq",
+        "chain[0]x3",
+        "chain[0]x3+kseq",
+    }
     assert {row["method"] for row in record["tables"][3]["rows"]} == {
         "plain",
         "plain_static",
         "batched",
         "engine",
+        "learned+engine",
     }
     for table in record["tables"]:
         assert set(table["per_category"]) == {"qa", "math"}
@@ -94,6 +90,9 @@ def test_the_suite_runs_every_method_on_given_models(
             assert row["identical_to_plain"] is (True if table["decoding"] == "greedy" else None), row
             assert row["rank"] is not None
     assert greedy_1["learned"]["decision_share"] is not None  # it ran with the pool's predictor
+    assert greedy_1["learned"]["action_shares"] and greedy_1["learned+oracle"]["action_shares"]
+    batch_2 = {row["method"]: row for row in record["tables"][3]["rows"]}
+    assert batch_2["learned+engine"]["action_shares"]  # the rows' choices, counted per row and step
     assert greedy_1["chain[0]"]["draft_tokens_per_step"] <= 3  # --chain-length 3
     assert greedy_1["plain"]["tokens_per_step"] == 1.0
     runs = [r for cell in record["runs"] for r in cell["records"]]
@@ -245,7 +244,7 @@ def test_methods_a_bare_pool_cannot_run_are_skipped_with_the_reason(tmp_path: Pa
     models = Models.load(llm_dir, tmp_path / "pool")
     probe = encode_batches([Prompt("Once upon a time", "test", 0)], models.tokenizer, 1, 16)[0]
     method_set = SuiteConfig(max_new_tokens=4, compiled=False).method_set(models, GREEDY, 1, probe)
-    assert set(method_set.skipped) == {"learned", "sequoia"}
+    assert set(method_set.skipped) == {"learned", "learned+oracle", "sequoia"}
     assert "no match-length predictor" in method_set.skipped["learned"]
     assert "pool_chain" in {m.name for m in method_set.methods}
 

@@ -35,6 +35,8 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
         # the pool for sampling, last: a fixture built before it keeps its greedy steps cached
         "distill-sampled-tinystories_train_openings",
         "boost-sampled",
+        "predictor-data-sampled",
+        "predictor-sampled",
         "profile-sampled",
         "export-sampled",
     ]
@@ -257,6 +259,15 @@ RECORDED_ARGV = {
         *("specboost.training.boost", "--distilled", f"{SMALL}/distill-sampled/tinystories_train_openings"),
         *("--llm", LLM, "--out", f"{SMALL}/pool-sampled", "--num-ssms", "3", "--max-steps", "1200"),
         *("--loss", "kl", "--boost-mode", "sampled"),
+    ],
+    "predictor-data-sampled": [
+        *("specboost.training.predictor_data", "--llm", LLM, "--ssm"),
+        *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
+        *("--distilled", f"{SMALL}/distill/gutenberg_openings", "--out", f"{SMALL}/predictor-data-sampled"),
+    ],
+    "predictor-sampled": [
+        *("specboost.training.train_predictor", "--labels", f"{SMALL}/predictor-data-sampled"),
+        *("--out", f"{SMALL}/pool-sampled/predictor"),
     ],
     "profile-sampled": [
         *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm"),

@@ -327,3 +327,16 @@ def test_proposals_keep_their_draw_through_merges_and_verify_takes_them_in_drawi
     order = [(prop.ssm, prop.draw, merged.tokens[child]) for child, prop in node_proposals(merged, 0)]
     assert order == [(0, 0, 1), (1, 0, 2), (1, 1, 1), (1, 2, 2)]
     assert sorted(p.draw for p in merged.proposals[merged.child_with_token(0, 2)]) == [0, 2]
+
+
+def test_packing_roots_only_is_a_plain_step() -> None:
+    """Root-only trees (a step that drafted nothing) pack to one node per row that sees itself,
+    as the general path would pack them."""
+    batch = TreeBatch.pack([TokenTree.root_only(7), TokenTree.root_only(3)])
+    assert batch.tokens.tolist() == [[7], [3]] and batch.parents.tolist() == [[-1], [-1]]
+    assert batch.depths.tolist() == [[0], [0]] and batch.valid.all() and batch.ancestors.shape == (2, 1, 1)
+    assert batch.ancestors.all()
+    with_child = TokenTree.root_only(7)
+    with_child.add_child(0, 5, 0)
+    general = TreeBatch.pack([with_child, TokenTree.root_only(3)])
+    assert general.ancestors[:, :1, :1].tolist() == batch.ancestors.tolist()

@@ -10,10 +10,12 @@ distillation data on the pool's prompt set -> boosted pool -> distillation data 
 prompt set -> predictor labels -> predictor -> hardware profile (`specboost profile`) -> Sequoia
 acceptance vectors (on the boost run's held-out samples) -> export; then the pool for sampling:
 sampled distillation data on the pool's prompt set (the LLM's top-K distributions at the
-sampling temperature) -> a pool boosted for sampling on them -> its hardware profile
-(`specboost profile`) -> its export (no predictor, no Sequoia
-vectors). The sampling pool's steps come last, so a fixture built before them keeps its greedy
-steps cached. Everything but the reference LLM goes into the cache folder
+sampling temperature) -> a pool boosted for sampling on them -> its predictor labels (its SSMs'
+greedy match lengths on the second prompt set; the learned scheduler's online correction, fed by
+sampled acceptance, scales them to sampling: ALGORITHMS.md 5.1, 5.3) -> its predictor -> its
+hardware profile (`specboost profile`) -> its export (no Sequoia vectors). The sampling pool's
+steps come last, so a fixture built before them keeps its greedy steps cached. Everything but the
+reference LLM goes into the cache folder
 ARTIFACTS/bench-fixture/<fixture>.
 
 A step that finishes writes `done/<step>.json` (atomically) with its command and duration; a
@@ -149,12 +151,21 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         )
 
     reference_llm = _module("training.reference_llm", "--preset", spec.preset, "--out", str(paths.llm.parent))
-    predictor_data = _module(
-        "training.predictor_data",
-        *("--llm", llm, "--ssm", *ssms, "--distilled", str(distilled[spec.predictor_prompts])),
-        *("--out", str(labels)),
-    )
-    predictor = _module("training.train_predictor", "--labels", str(labels), "--out", str(pool / "predictor"))
+
+    def predictor_steps(boosted: Path, models: list[str], labels: Path, suffix: str = "") -> list[Step]:
+        """Labels (each SSM's true match lengths after the predictor prompts) and the predictor."""
+        data = _module(
+            "training.predictor_data",
+            *("--llm", llm, "--ssm", *models, "--distilled", str(distilled[spec.predictor_prompts])),
+            *("--out", str(labels)),
+        )
+        train = _module(
+            "training.train_predictor", "--labels", str(labels), "--out", str(boosted / "predictor")
+        )
+        return [
+            Step(f"predictor-data{suffix}", data, labels / "metadata.json", speed),
+            Step(f"predictor{suffix}", train, boosted / "predictor" / "predictor_record.json"),
+        ]
 
     def profile(boosted: Path, models: list[str]) -> tuple[str, ...]:
         """`specboost profile` of these SSMs beside the LLM, measured at the suite's thread count."""
@@ -183,8 +194,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             speed,
         ),
         distill(spec.predictor_prompts),
-        Step("predictor-data", predictor_data, labels / "metadata.json", speed),
-        Step("predictor", predictor, pool / "predictor" / "predictor_record.json"),
+        *predictor_steps(pool, ssms, labels),
         Step("profile", profile(pool, ssms), pool / PROFILE_FILE),
         Step("sequoia-acceptance", sequoia, pool / ACCEPTANCE_FILE, speed),
         Step("export", export, paths.export / "specboost_pool.json"),
@@ -195,6 +205,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             sampled / "boost_record.json",
             speed,
         ),
+        *predictor_steps(sampled, sampled_ssms, paths.cache / "predictor-data-sampled", "-sampled"),
         Step("profile-sampled", profile(sampled, sampled_ssms), sampled / PROFILE_FILE),
         Step("export-sampled", sampled_export, paths.sampled_export / "specboost_pool.json"),
     ]

@@ -18,9 +18,12 @@ folders with the LLM's tokenizer) and `boost_record.json`. OUT gets:
   LLM distributions it was trained on; null for CE on the LLM's tokens). Boost runs from before
   these fields were recorded were greedy CE runs and are exported as such. Its `decoding` block
   holds the decoding choices `SpeculativeDecoder.from_pretrained` and `specboost generate --pool`
-  default to (`PoolDefaults`: strategy, shape, length controller), set by the options above;
-  a strategy that needs a file BOOST lacks (learned: the predictor; sequoia: acceptance vectors
-  and a hardware profile) is refused, naming the command that makes it;
+  default to (`PoolDefaults`: strategy, shape, length controller), set by the options above.
+  Unset, they are the learned scheduler's ("learned") when BOOST holds a match-length predictor
+  and a hardware profile, else strategy "pool" with chains of 4 (the decoder's own defaults; a
+  shape or length controller given without --strategy also means "pool"); the export says which
+  and why. A strategy that needs a file BOOST lacks (learned: the predictor; sequoia: acceptance
+  vectors and a hardware profile) is refused, naming the command that makes it;
 - `README.md`: the pool's card.
 
 OUT is written next to itself under a temporary name and renamed into place, so it exists only
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -74,7 +78,11 @@ MAKERS = {  # entry -> (what it is, the command that writes it into BOOST)
     "sequoia_acceptance": ("the SSMs' Sequoia acceptance vectors", "make sequoia-acceptance BOOST_OUT="),
     "hardware_profile": ("a hardware profile (it sizes the tree)", "make profile SCHED_POOL="),
 }
+# What the learned scheduler needs to be a pool's default when no strategy is given: it decodes
+# with the predictor as trained and with latencies measured on real hardware.
+LEARNED_DEFAULT_NEEDS = ("predictor", "hardware_profile")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,11 @@ def _front_matter(base: str | None) -> str:
 def describe_decoding(defaults: PoolDefaults) -> str:
     """The decoding defaults in words, for the cards."""
     shape = "its own DP-optimal tree" if defaults.shape is None else f"`{defaults.shape!r}`"
+    if defaults.strategy == "learned":
+        shape = (
+            "plain decoding or one SSM's chain, the SSM and length picked every step "
+            f"(`{defaults.shape!r}` without the predictor)"
+        )
     controller = defaults.length_controller or "none (fixed length)"
     return f"strategy `{defaults.strategy}`, shape {shape}, length controller {controller}"
 
@@ -169,8 +182,9 @@ print(tokenizer.decode(decoder.generate(ids, max_new_tokens=64).sequences[0]))
 
 Decoding defaults (the `decoding` block of `{MANIFEST_FILE}`): {describe_decoding(defaults)}. Any
 keyword of `SpeculativeDecoder` overrides them, e.g. `from_pretrained(llm, "{location}", tokenizer,
-shape=ChainShape(6))`; an explicit `strategy=` replaces them all. On the command line:
-`specboost generate --llm LLM_DIR --pool {location} --prompt "..."`.
+shape=ChainShape(6))`; an explicit `strategy=` replaces them all, e.g. `strategy="pool",
+shape=ChainShape(4)` for a fixed chain of 4. On the command line: `specboost generate --llm LLM_DIR
+--pool {location} --prompt "..."` (`--strategy pool --length 4`: a fixed chain).
 
 As a Hugging Face assistant model (assisted generation, one SSM):
 
@@ -373,6 +387,26 @@ def copy_optional(boost: Path, tmp: Path, found: dict[str, str | None]) -> None:
             shutil.copy2(boost / name, tmp / name)
 
 
+def recommend_decoding(found: dict[str, str | None], boost: Path) -> tuple[PoolDefaults, str]:
+    """The decoding defaults an export recommends when none are given, and why: the learned
+    scheduler when BOOST holds its predictor and a hardware profile, else strategy "pool" with
+    chains of 4 (no file needed, any device)."""
+    missing = [key for key in LEARNED_DEFAULT_NEEDS if found[key] is None]
+    if not missing:
+        return PoolDefaults("learned"), (
+            "the boost run holds a match-length predictor and a hardware profile, so the learned "
+            'scheduler picks each step\'s drafts; decode with strategy="pool", shape=ChainShape(4) '
+            "(--strategy pool) for a fixed chain, or export with --strategy pool to recommend one"
+        )
+    what = {"predictor": "match-length predictor", "hardware_profile": "hardware profile"}
+    makes = " and ".join(f"`{MAKERS[key][1]}{boost}`" for key in missing)
+    return PoolDefaults(), (
+        "the learned scheduler is the default only with a match-length predictor and a hardware "
+        f"profile, and the boost run has no {' and no '.join(what[key] for key in missing)}: {makes} "
+        f"{'writes it' if len(missing) == 1 else 'write them'} there, then export again"
+    )
+
+
 def check_decoding(defaults: PoolDefaults, found: dict[str, str | None], boost: Path) -> None:
     """Refuse decoding defaults the decoder would refuse, or that need a file BOOST lacks (saying
     which command makes it): a pool's defaults must decode as they are."""
@@ -415,16 +449,19 @@ def export_pool(
     defaults: PoolDefaults | None = None,
 ) -> dict[str, Any]:
     """Write the hub-style pool folder OUT from the boost run BOOST; returns the manifest.
-    `defaults`: the decoding choices the manifest recommends. Unset, they are the decoder's own
-    (strategy "pool", chains of 4): that choice has no file to ship and runs on any device, and
-    no measurement taken at export says another beats it on the user's hardware; the README's
-    benchmark is where to pick one for a pool and machine."""
+    `defaults`: the decoding choices the manifest recommends. Unset (`recommend_decoding`), they
+    are the learned scheduler's when BOOST holds its match-length predictor and a hardware
+    profile, else the decoder's own (strategy "pool", chains of 4: no file to ship, any device);
+    `main` prints the choice and its reason."""
     boost, out = Path(boost), Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
         raise ValueError(f"{out} exists and is not an exported SSM pool: choose another --out or remove it")
     # 1. Setup: the record, the optional files and the defaults they allow, the LLM's vocabulary.
     record = read_record(boost)
-    found, defaults = find_optional(boost), defaults or PoolDefaults()
+    found = find_optional(boost)
+    if defaults is None:
+        defaults, reason = recommend_decoding(found, boost)
+        logger.info("decoding defaults: %s; %s", describe_decoding(defaults), reason)
     check_decoding(defaults, found, boost)
     llm = describe_llm(record, boost)
     location = hub_repo or str(out)
@@ -503,10 +540,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--private", action="store_true", help="create the hub repo as private")
     decoding = p.add_argument_group(
         "decoding defaults",
-        "what SpeculativeDecoder.from_pretrained and `specboost generate --pool` use unless told otherwise "
-        "(default: strategy pool, chains of 4, a fixed length: the decoder's own defaults)",
+        "what SpeculativeDecoder.from_pretrained and `specboost generate/serve --pool` use unless told "
+        "otherwise (default: the learned scheduler when BOOST holds a match-length predictor and a "
+        "hardware profile, else strategy pool, chains of 4, a fixed length: the decoder's own defaults)",
     )
-    decoding.add_argument("--strategy", choices=DRAFTING, default="pool", help="(default: pool)")
+    decoding.add_argument(
+        "--strategy",
+        choices=DRAFTING,
+        help="(default: learned with a predictor and a profile in BOOST, else pool; pool when only "
+        "--chain-length, --beam or --length-controller is given)",
+    )
     shape = decoding.add_mutually_exclusive_group()
     shape.add_argument("--chain-length", type=int, metavar="L", help="every SSM drafts a chain of L tokens")
     shape.add_argument(
@@ -518,12 +561,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def decoding_defaults(args: argparse.Namespace) -> PoolDefaults:
-    """The --strategy, --chain-length / --beam and --length-controller options as `PoolDefaults`."""
+def decoding_defaults(args: argparse.Namespace) -> PoolDefaults | None:
+    """The --strategy, --chain-length / --beam and --length-controller options as `PoolDefaults`;
+    None when none is given (`export_pool` then recommends, `recommend_decoding`). A shape or
+    length controller without --strategy is a fixed-shape choice: strategy "pool"."""
     shape = None if args.beam is None else BeamShape(*args.beam)
     if args.chain_length is not None:
         shape = ChainShape(args.chain_length)
-    return PoolDefaults(args.strategy, shape, args.length_controller)
+    if args.strategy is None and shape is None and args.length_controller is None:
+        return None
+    return PoolDefaults(args.strategy or "pool", shape, args.length_controller)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -531,8 +578,12 @@ def main(argv: list[str] | None = None) -> int:
     hub_repo = args.hub_repo or os.environ.get("HUB_REPO") or None
     try:
         token = require_token() if hub_repo else None  # before the work, not after it
-        manifest = export_pool(args.boost, args.out, hub_repo, decoding_defaults(args))
+        defaults, reason = decoding_defaults(args), "as given by the options"
+        if defaults is None:
+            defaults, reason = recommend_decoding(find_optional(args.boost), args.boost)
+        manifest = export_pool(args.boost, args.out, hub_repo, defaults)
         print(f"[export] {len(manifest['ssms'])} SSMs for {manifest['llm']['name_or_path']}: {args.out}")
+        print(f"[export] decoding defaults: {describe_decoding(defaults)}\n[export] {reason}")
         if hub_repo and token:
             print(f"[export] pushed to {push_to_hub(args.out, hub_repo, token, args.private)}")
     except (ValueError, FileNotFoundError, RuntimeError) as error:

@@ -15,10 +15,13 @@ from specboost.decoder.bench.summary import (
     BEST_PLAIN,
     HF_ASSISTED,
     LATENCY_POINTS,
+    LEARNED,
     PHASES,
     MethodRow,
     Spread,
     Table,
+    best_fixed,
+    fixed,
 )
 
 # `--readme README.md`: the report (without its title) goes between RESULTS_MARKERS on the results
@@ -28,8 +31,8 @@ RESULTS_MARKERS = ("<!-- bench-suite: begin -->", "<!-- bench-suite: end -->")
 HEADLINE_MARKERS = ("<!-- bench-headline: begin -->", "<!-- bench-headline: end -->")
 RESULTS_PAGE = Path("docs/results.md")
 ALGORITHMS_PAGE = Path("docs/ALGORITHMS.md")  # the metrics' definitions (section 13), linked
-LEARNED = "learned"  # the learned scheduler's row (strategy="learned"): its own headline column
 LEARNED_ROWS = (LEARNED, f"{LEARNED}+compiled")  # eager and compiled: the faster is the headline's
+MOST_ACTIONS = 8  # a scheduler's actions named in its line; the rest are summed as "other"
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -74,11 +77,12 @@ def grid(header: list[str], rows: list[list[str]]) -> str:
 
 def markdown_table(table: Table) -> str:
     """The headline table (categories together), ranked, and the speedup of every category; with
-    several rows per item, the per-token latency."""
+    several rows per item, the per-token latency. Under it the fastest fixed row (the reference of
+    "vs best fixed") and, per scheduler that reports its actions, what it chose how often."""
     batched = any(row.per_token_latency is not None for row in table.rows)
     header = ["rank", "method", "tokens/step", "drafted/step", "acceptance", "per SSM", "draft/verify/other"]
     header += ["tokens/s", *(["ms/token first / last / mean"] if batched else [])]
-    header += ["vs plain", "vs best plain", "vs HF assisted", "output"]
+    header += ["vs plain", "vs best plain", "vs HF assisted", "vs best fixed", "output"]
     cells = []
     for row in sorted(table.rows, key=lambda r: (r.rank is None, r.rank or 0)):
         per_ssm = " ".join(f"{i}:{a:.2f}" for i, a in (row.acceptance_rate_per_ssm or {}).items()) or "-"
@@ -97,15 +101,19 @@ def markdown_table(table: Table) -> str:
                 spread(row.speedup_vs_plain),
                 spread(row.speedup_vs_best_plain),
                 spread(row.speedup_vs_hf_assisted),
+                spread(row.speedup_vs_best_fixed),
                 _output(row),
             ]
         )
     lines = [grid(header, cells)]
+    if best := best_fixed(table.rows):
+        lines.append(f"\nBest fixed row: `{best.method}` ({best.tokens_per_second.median:.1f} tokens/s).")
     lines += [
         f"\n`{row.method}`: its scheduler's decisions took {row.decision_share:.1%} of its wall time."
         for row in table.rows
         if row.decision_share is not None
     ]
+    lines += [f"\n{actions_line(row)}" for row in table.rows if row.action_shares is not None]
     if table.compiled_warmup:
         lines.append(
             "\nCompiled methods: untimed warm-up on every prompt (graph compilation included), seconds: "
@@ -122,6 +130,16 @@ def markdown_table(table: Table) -> str:
         by_category.append([f"`{row.method}`", *(number(s.median if s else None) for s in speedups)])
     lines += ["", "Speedup vs plain per category (median over repeats):", ""]
     return "\n".join([*lines, grid(["method", *categories], by_category)])
+
+
+def actions_line(row: MethodRow) -> str:
+    """What a scheduler chose how often: its `MOST_ACTIONS` most frequent actions with their share
+    of its steps, the rest summed as "other"."""
+    shares = list(row.action_shares.items())  # largest first
+    parts = [f"{name} {share:.0%}" for name, share in shares[:MOST_ACTIONS]]
+    if rest := shares[MOST_ACTIONS:]:
+        parts.append(f"other {sum(share for _, share in rest):.0%}")
+    return f"`{row.method}` chose: {', '.join(parts)} (of {row.action_steps} steps)."
 
 
 def draft_cost_line(table: Table, ssm_seconds: dict[str, list[float]]) -> str:
@@ -228,7 +246,8 @@ def markdown_report(report: Report, level: int = 1, algorithms: str = ALGORITHMS
         "",
         "tokens/step = new tokens / LLM passes (the LLM's own token included: plain = 1.00); drafted/step = "
         "tree size; acceptance = accepted / drafted tokens; draft/verify/other = shares of the decoder's "
-        "time; speedup = tokens/s over plain's (or the fastest HF assisted's) in the same repeat: median "
+        "time; speedup = tokens/s over plain's (or the best plain decoding's, the fastest HF assisted "
+        "generation's, the fastest fixed row's: any but the learned scheduler's) in the same repeat: median "
         f"(min-max) over repeats ([ALGORITHMS.md]({algorithms}) section 13); ms/token (batch > 1, BASS) "
         "= a row's latency / its new tokens, of the first and the last row to finish and the batch mean: "
         "median over repeats (plain batched generation returns every row after the whole call). Greedy "
@@ -262,9 +281,10 @@ def fastest(table: Table, keep: Any) -> MethodRow | None:
 
 
 def speculative(method: str) -> bool:
-    """A fixed speculative row of this decoder: not plain decoding, not transformers' assisted
-    generation, not the learned scheduler (eager or compiled)."""
-    return method not in BEST_PLAIN and not method.startswith(HF_ASSISTED) and method not in LEARNED_ROWS
+    """A fixed speculative row of this decoder: a fixed row (`summary.fixed`: not the learned
+    scheduler's, eager or compiled, nor an oracle's) but not plain decoding or transformers'
+    assisted generation."""
+    return fixed(method) and method not in BEST_PLAIN and not method.startswith(HF_ASSISTED)
 
 
 def _speed(row: MethodRow) -> str:

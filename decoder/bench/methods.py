@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -178,7 +179,7 @@ def decoder_method(
         out = decoder.generate(**batch, max_new_tokens=max_new, seed=seed, **decoding.options())
         stats = getattr(out.stats, "sequences", [out.stats])  # a batch: BatchStats, a DecodeStats per row
         latencies = getattr(out.stats, "latencies", [out.stats.time_total])
-        strategy = out.stats.strategy if len(stats) == 1 else {}
+        strategy = out.stats.strategy if len(stats) == 1 else batch_choices([s.strategy for s in stats])
         rows = models.rows(out.sequences[:, batch.input_ids.shape[1] :])
         return MethodResult(rows, sum(s.llm_steps for s in stats), latencies, stats, indices, strategy)
 
@@ -205,11 +206,31 @@ def engine_method(
             results = engine.run(unpadded(batch), max_new_tokens=max_new, seed=seed, **decoding.options())
         stats = [r.stats for r in results]
         latencies = [r.latency for r in results]
+        strategy = batch_choices([s.strategy for s in stats])
         return MethodResult(
-            [r.new_tokens for r in results], sum(s.llm_steps for s in stats), latencies, stats, everyone
+            [r.new_tokens for r in results],
+            sum(s.llm_steps for s in stats),
+            latencies,
+            stats,
+            everyone,
+            strategy,
         )
 
     return Method(name, description, run)
+
+
+def batch_choices(reports: list[dict]) -> dict:
+    """The rows' records of a scheduler that decides for a batch (the routed scheduler, ALGORITHMS.md
+    5.3) as one: its actions counted per row and step, and its decision seconds, which every row's
+    record holds for the steps it took part in (the longest row's: all of one group's). {} for
+    other strategies."""
+    if not reports or not all("actions" in report for report in reports):
+        return {}
+    actions: Counter[str] = Counter()
+    for report in reports:
+        actions.update(report["actions"])
+    decision = max(report["decision_seconds"] for report in reports)
+    return {"strategy": reports[0]["strategy"], "actions": dict(actions), "decision_seconds": decision}
 
 
 def queued(method: Method, size: int) -> Method:

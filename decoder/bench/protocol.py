@@ -198,7 +198,8 @@ def measure(
 ) -> tuple[list[RunRecord], dict[str, float]]:
     """Every method on every item, interleaved (drifts in machine speed hit every method alike),
     after `protocol.warmup` untimed rounds on `warmup_item` (default: the first item; a compiled
-    method warms up on every item, building its graphs untimed). A run is identical when its rows
+    method warms up on every item, building its graphs untimed, as does one that prepares something
+    per item, `Method.warm_every_item`). A run is identical when its rows
     equal `reference`'s for its item (default: methods[0]'s first run's). Returns the records and
     each method's warm-up seconds."""
     log(f"{len(methods)} methods, {len(items)} items, {protocol.repeats} repeats, {protocol.warmup} warm-up")
@@ -208,7 +209,7 @@ def measure(
         for _ in range(protocol.warmup):
             for method in methods:
                 start = time.perf_counter()
-                for item in items if method.compiled else [warmup_item or items[0]]:
+                for item in items if method.compiled or method.warm_every_item else [warmup_item or items[0]]:
                     method.run(item)
                 warmups[method.name] = warmups.get(method.name, 0.0) + time.perf_counter() - start
         for index, item in enumerate(items):

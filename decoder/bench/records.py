@@ -69,6 +69,7 @@ class Method:
     description: str
     run: Callable[[BatchEncoding], MethodResult]  # one item: input_ids, attention_mask [B, L]
     compiled: bool = False  # runs torch.compile'd graphs: warmed up on every item before timing
+    warm_every_item: bool = False  # prepares something per item in its first run (the oracle's outputs)
 
 
 @dataclass

@@ -11,11 +11,14 @@ file, the single-file bench. Writes suite.json (bench.json), report.md and the p
 Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
 and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
 SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`);
-the learned scheduler (eager and compiled); sampled only, k-sequential verification
+the learned scheduler (eager and compiled) and, greedy, its rule on the true match lengths (the
+hindsight oracle, `learned+oracle`); sampled only, k-sequential verification
 (`pool_chain+kseq`) and three sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the
 drafted tokens of a 3-SSM `pool_chain`). Batch > 1: plain batched `generate` against the pool's
 chains as one ragged batch (BASS, eager and compiled), the pipelined engine (Minions: two groups
-of half the batch) and the learned scheduler, compiled, on the ragged batch. A method that cannot
+of half the batch) and the learned scheduler, compiled on the ragged batch and eager in the same
+engine (`learned+engine`). Every table's "vs best fixed" is against its fastest row that is not the
+learned scheduler's, measured in the same run. A method that cannot
 run here is listed under "Not run" with the reason.
 
 Sampled rows run on the pool for sampling when there is one (the fixture's, or `sampled_pool`),
@@ -72,6 +75,7 @@ from specboost.decoder.engine import EngineConfig
 from specboost.decoder.generation_options import resolve
 from specboost.decoder.loop import BatchConfig
 from specboost.decoder.strategies import DRAFTING
+from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
 
@@ -99,6 +103,8 @@ METHOD_FAMILIES = (
     *("pool_beam", "pool_topology", *OWN_ROWS, "majority+adaptive", "batched"),
     *("batched+compiled", "engine", f"chainx{CHAIN_SAMPLES}", f"chainx{CHAIN_SAMPLES}+kseq"),
     "learned+compiled",
+    "learned+engine",
+    "learned+oracle",
 )
 ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
 BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one length per step
@@ -338,6 +344,17 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
         out["engine"] = lambda: engine_method(
             "engine", engine_description, models, engine, max_new, decoding, shape=chain
         )
+        learned_engine = functools.partial(
+            engine_method,
+            "learned+engine",
+            "learned scheduler, pipelined engine: 2 groups of " + str(engine.batch_size),
+            models,
+            engine,
+            max_new,
+            decoding,
+            strategy="learned",
+        )
+        out["learned+engine"] = functools.partial(_with_predictor, models, learned_engine)
         return out | learned_rows(models, ours, size)
     for i, ssm in enumerate(models.ssms):
         out[f"{HF_ASSISTED}[{i}]"] = hf(
@@ -367,6 +384,10 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
         name = f"chain[0]x{CHAIN_SAMPLES}"  # SSM 0: the first boosting round, trained on every position
         out[name] = ours(name, f"{samples} drafted by SSM 0, MSS", [0], shape=samples)
         out[f"{name}+kseq"] = ours(f"{name}+kseq", f'{name}, rule="k_sequential"', [0], shape=samples, **kseq)
+    if not decoding.do_sample:
+        out["learned+oracle"] = functools.partial(
+            _with_predictor, models, functools.partial(oracle_method, models, everyone, max_new, decoding)
+        )
     for strategy in (s for s in OWN_ROWS if s != "learned"):
         shape = {"majority": chain, "pruned": beam}.get(strategy)  # the others draft their own trees
         kwargs = {"strategy": strategy} | ({"shape": shape} if shape else {})
@@ -393,6 +414,18 @@ def learned_rows(models: Models, ours: Any, size: int) -> dict[str, Any]:
     if size == 1:
         rows["learned"] = ours("learned", description, strategy="learned")
     return {name: functools.partial(_with_predictor, models, make) for name, make in rows.items()}
+
+
+def oracle_method(models: Models, indices: list[int], max_new: int, decoding: Decoding) -> Method:
+    """The learned scheduler's rule fed the true match lengths (`OracleRouter`, ALGORITHMS.md 5.3),
+    eager like the `learned` row: the bound a perfect predictor would reach. Its greedy outputs are
+    generated when a prompt is first met, in the untimed warm-up run (`--warmup` >= 1)."""
+    decoder = models.decoder(indices, strategy="learned")
+    scheduler = decoder.speculator
+    scheduler.router = OracleRouter(scheduler.router, decoder.llm, scheduler.models)
+    description = "the learned scheduler's rule on the true match lengths (hindsight oracle)"
+    method = decoder_method("learned+oracle", description, models, decoder, indices, max_new, decoding)
+    return replace(method, warm_every_item=True)
 
 
 def _with_predictor(models: Models, make: Any) -> Method:

@@ -2,12 +2,14 @@
 tokens per step (new tokens / LLM passes, the LLM's own token included: plain = 1.0); acceptance
 (accepted / drafted tokens, overall, per SSM, and by position k: the share of steps accepting at
 least k); speedup: the methods run interleaved, so each repeat is one paired measurement (the
-method's tokens/s over the reference's), reported as the median over repeats with the min and
-max; per-token latency of several rows (BASS section 11; Minions' normalized latency): a row's
-latency / its new tokens, of the first and the last row to finish and the mean, per repeat the
-mean over its items, then the median over repeats. Greedy outputs must equal the reference: a
-method that differs is flagged, gets no speedup and no rank; sampled outputs are not compared,
-and in low precision each row reports its agreement with float32 plain decoding.
+method's tokens/s over the reference's: plain, the fastest plain decoding, the fastest HF assisted
+generation or the fastest fixed row), reported as the median over repeats with the min and max; a
+learned scheduler's choices: each action's share of its steps; per-token latency of several rows
+(BASS section 11; Minions' normalized latency): a row's latency / its new tokens, of the first and
+the last row to finish and the mean, per repeat the mean over its items, then the median over
+repeats. Greedy outputs must equal the reference: a method that differs is flagged, gets no
+speedup and no rank; sampled outputs are not compared, and in low precision each row reports its
+agreement with float32 plain decoding.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from specboost.decoder.stats import per_token_latency
 PLAIN = "plain"  # the reference method of every cell (runs first)
 BEST_PLAIN = (PLAIN, "plain_static", "plain_compiled")  # "vs best plain": the fastest of these
 HF_ASSISTED = "hf_assisted"  # prefix of the Hugging Face assisted generation methods
+LEARNED = "learned"  # prefix of the learned scheduler's rows ("learned+compiled", "learned+oracle")
+ORACLE = "oracle"  # the scheduler evaluation's oracle row (its decision rule on the true match lengths)
 PHASES = ("draft", "verify", "other")  # DecodeStats.time_<phase>; "other" is the decoder's bookkeeping
 LATENCY_POINTS = ("first", "last", "mean")  # stats.per_token_latency
 
@@ -59,9 +63,12 @@ class MethodRow:
     speedup_vs_plain: Spread | None  # None: output differs (not ranked)
     speedup_vs_best_plain: Spread | None  # vs the fastest of BEST_PLAIN
     speedup_vs_hf_assisted: Spread | None  # vs the fastest HF assisted method; None without one
+    speedup_vs_best_fixed: Spread | None  # vs the fastest fixed row (`best_fixed`)
     identical_to_plain: bool | None  # None: sampled or low precision, not compared token-wise
     per_token_latency: dict[str, float] | None  # LATENCY_POINTS -> seconds/token; None: one row
     decision_share: float | None = None  # a scheduler's decision time / the method's wall time
+    action_shares: dict[str, float] | None = None  # a scheduler's action -> share of steps, largest first
+    action_steps: int = 0  # the steps `action_shares` are shares of
     agreement_with_float32: float | None = None  # low precision: share of outputs = float32 plain's
     rank: int | None = None  # 1 = fastest; None: not ranked
 
@@ -89,10 +96,12 @@ def summarise(
 
     references = {"plain": rates[PLAIN], "best_plain": fastest(n for n in methods if n in BEST_PLAIN)}
     references["hf_assisted"] = fastest(n for n in methods if n.startswith(HF_ASSISTED))
+    references["best_fixed"] = fastest(n for n in methods if fixed(n))
     rows = []
     for name, description in methods.items():
         rs, ok = by_method[name], identical[name] is not False
         speedups = {k: _ratio(rates[name], ref) if ok and ref else None for k, ref in references.items()}
+        shares, steps = action_shares(rs)
         rows.append(
             MethodRow(
                 name,
@@ -103,9 +112,12 @@ def summarise(
                 speedup_vs_plain=speedups["plain"],
                 speedup_vs_best_plain=speedups["best_plain"],
                 speedup_vs_hf_assisted=speedups["hf_assisted"],
+                speedup_vs_best_fixed=speedups["best_fixed"],
                 identical_to_plain=identical[name],
                 per_token_latency=median_per_token_latency(rs),
                 decision_share=decision_share(rs),
+                action_shares=shares,
+                action_steps=steps,
                 agreement_with_float32=sum(r.identical for r in rs) / len(rs)
                 if greedy and not exact
                 else None,
@@ -117,6 +129,19 @@ def summarise(
     for rank, row in enumerate(ranked, start=1):
         row.rank = rank
     return rows
+
+
+def fixed(method: str) -> bool:
+    """A row of one fixed strategy and shape, plain and HF assisted included: any but the learned
+    scheduler's and the oracle's, which choose among such shapes step by step."""
+    return not method.startswith((LEARNED, ORACLE))
+
+
+def best_fixed(rows: Iterable[MethodRow]) -> MethodRow | None:
+    """The fixed row of highest median tokens/s whose output is not flagged (as `summarise` picks
+    the reference of `speedup_vs_best_fixed`); None: no such row."""
+    usable = [row for row in rows if fixed(row.method) and row.identical_to_plain is not False]
+    return max(usable, key=lambda row: row.tokens_per_second.median, default=None)
 
 
 def _rates_per_repeat(records: Sequence[RunRecord]) -> dict[int, float]:
@@ -194,6 +219,20 @@ def decision_share(records: Sequence[RunRecord]) -> float | None:
         return None
     seconds = sum(r.seconds for r in records)
     return sum(r.stats["strategy"]["decision_seconds"] for r in records) / seconds if seconds else 0.0
+
+
+def action_shares(records: Sequence[RunRecord]) -> tuple[dict[str, float] | None, int]:
+    """Each action's share of the scheduler's steps (largest first, then by name) and the steps,
+    from the records' `stats["strategy"]["actions"]` (action -> steps) summed over repeats and
+    items; (None, 0) when a record has none (a fixed strategy, or a report older than them)."""
+    if not records or not all(r.stats and "actions" in r.stats.get("strategy", {}) for r in records):
+        return None, 0
+    counts: Counter[str] = Counter()
+    for r in records:
+        counts.update(r.stats["strategy"]["actions"])
+    steps = sum(counts.values())
+    ordered = sorted(((name, n) for name, n in counts.items() if n), key=lambda item: (-item[1], item[0]))
+    return ({name: n / steps for name, n in ordered} if steps else None), steps
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""The routed scheduler drafting for the rows of a batch (ALGORITHMS.md sections 5.3 and 11).
+
+One `ChainRouter` decision per step for the whole group (spaced out while it declines:
+`DecisionPacing`) (the rows' hidden states through the
+predictor in one call, then the batch rule: the length, the SSMs that draft, K = 0 per row or for
+the whole batch), then each chosen SSM drafts the chains of its rows in one `BatchedChainDrafter`
+pass per chain position. Greedy rows' chains stay on the device until the verifier reads them back
+with its verdicts; a group with sampled rows (or logits processors) gets host trees, verified by
+the rows' own rules (the target rule under sampling: the chains are argmax drafts).
+"""
+
+from __future__ import annotations
+
+import time
+
+from specboost.decoder.compilation import ModelCalls
+from specboost.decoder.sequence import SequenceState
+from specboost.decoder.verify import Rule
+from specboost.speculator.chain_router import ChainPlan, DecisionPacing
+from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler
+from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
+
+
+class RoutedDrafting:
+    """`GroupDrafting` of the routed scheduler: per row an `ActionRecord`, per group the drafters."""
+
+    def __init__(self, scheduler: RoutedScheduler, calls: ModelCalls) -> None:
+        self.router = scheduler.router
+        self.chains = RoutedChains(scheduler.models, calls.get)
+        self.records: list[ActionRecord] = []
+        self.pacing = DecisionPacing()
+        self._plan: ChainPlan | None = None
+        self._drafting = 0.0
+
+    def add(self, rows: list[SequenceState]) -> None:
+        self.chains.add(len(rows))
+        self.records += [ActionRecord() for _ in rows]
+        self.pacing.restart()  # decide for the new rows at once
+
+    def retain(self, rows: list[SequenceState], keep: list[int]) -> None:
+        self.chains.select(keep)
+        self.records = [self.records[i] for i in keep]
+
+    def propose(
+        self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]
+    ) -> list[TokenTree] | ChainDraft:
+        """The routed chains of every row; `lengths` (a batch length controller's) do not apply:
+        the router chooses the length."""
+        start = time.perf_counter()
+        hidden, texts = [row.hidden for row in rows], [row.tokens for row in rows]
+        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts)
+        seconds = time.perf_counter() - start  # every row waited for the whole group's decision
+        for b, record in enumerate(self.records):
+            record.decided(plan.action(b), seconds)
+        greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
+        if not any(plan.lengths):  # a plain step: no drafter runs (nor is timed)
+            self._drafting = 0.0
+            if greedy:
+                return self.chains.nothing(texts)
+            return [TokenTree.root_only(row.tokens[-1], DraftKind.GREEDY) for row in rows]
+        start = time.perf_counter()
+        drafted = self.chains.draft(texts, plan)
+        if not greedy:
+            drafted = drafted.trees(drafted.tokens.tolist())  # the rows' own rules verify host trees
+        self._drafting = time.perf_counter() - start
+        return drafted
+
+    def levels(self, row: int) -> int:
+        return self._plan.lengths[row] if self._plan is not None else 0
+
+    def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
+        if self._plan is None:
+            return
+        start = time.perf_counter()
+        self.router.observe(self._plan, [len(nodes) for nodes in accepted], verify_seconds, self._drafting)
+        seconds = time.perf_counter() - start
+        for record in self.records:
+            record.decision_seconds += seconds
+
+    def report(self, row: int) -> dict:
+        return self.records[row].report() | {"cost_factors": list(self.router.cost_factors)}

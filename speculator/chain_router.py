@@ -1,0 +1,284 @@
+"""The routed scheduler's rule (ALGORITHMS.md section 5.3): per step and per batch, plain decoding
+or one SSM's argmax chain per row, the SSM and the length chosen from the LLM's hidden states.
+
+Actions. Per row, no draft, or SSM i's argmax chain of d tokens, d from the predictor's grid
+depths. So every fixed single-SSM chain of a grid length, and plain decoding, is an action; a
+merged tree of several SSMs is not (on the hardware we measured, one tiny SSM's step is bound by
+per-call overhead, and drafting with several costs 2-3x one for +5% tokens per step).
+
+Rule, for a batch of B rows with predicted matches f[b, i, d] (the predictor's width-1 output,
+times SSM i's online correction at depth d, section 5.1, clipped to the row's tokens wanted):
+choose the length d and the set U of SSMs that draft this step; every row takes its best SSM of U,
+e_b = max_{i in U} f[b, i, d]; the score is
+
+    score(d, U) = (B + sum_b e_b) / (v L_verify(B, 1 + d) + g sum_{i in U} L_chain(i, n_i, d))
+
+with n_i the rows routed to SSM i, L_verify and L_chain the profile's chain tables at this batch
+size (`CostModel.chain_verify_time`, `chain_draft_table`) and v, g the online cost corrections
+(section 5.2). "No draft" for the whole batch scores B / (v L_verify(B, 1)): plain decoding, so
+the rule never speculates where it expects to lose. Then K = 0 per row: a row whose e_b is worth
+less than the drafting time it adds (e_b x seconds < tokens x its marginal L_chain) drafts nothing.
+The verify pass pads every row to the longest chain, so a row's own length only changes the
+drafting. All (d, U) pairs are scored at once: at most `max_subsets` sets U (every subset of a
+small pool; else each SSM alone and the whole pool). At batch 1 this is the argmax over (SSM i,
+length d) and "plain" of (1 + f_i(d)) / (L_verify(1 + d) + L_chain(i, 1, d)).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specboost.speculator.cost_model import CostModel
+from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.scheduler import CostCorrection, OnlineCalibration
+
+NO_SSM = -1
+MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
+
+
+@dataclass
+class ChainPlan:
+    """One step's routing of a batch: per row the SSM that drafts (NO_SSM: none) and the length."""
+
+    ssm: np.ndarray  # [B] int
+    lengths: list[int]  # [B] tokens to draft (0: none)
+    depth_index: int  # the grid depth drafted (index into the predictor's depths); -1: plain step
+    predicted: np.ndarray  # [B, D] the drafting SSM's raw f at every grid depth (rows drafting)
+    max_depths: np.ndarray  # [B] tokens each row may still draft
+    profiled: tuple[float, float]  # the profile's (verify, drafting) seconds of the step (5.2)
+
+    def action(self, row: int) -> str:
+        """Row `row`'s action, as the benchmark's action lines name it."""
+        length = self.lengths[row]
+        return "plain" if length == 0 else f"SSM {int(self.ssm[row])} x{length}"
+
+
+class ChainRouter:
+    """Chooses a `ChainPlan` per step (`plan`) and learns from what the LLM accepted (`observe`);
+    the corrections (sections 5.1, 5.2) persist across calls, as the workload's do."""
+
+    def __init__(
+        self,
+        predictor: MatchLengthPredictor,
+        cost_model: CostModel,
+        calibration: float | None = 0.9,
+        cost_correction: float | None = 0.9,
+        max_subsets: int = 64,
+    ) -> None:
+        c = predictor.config
+        if 1 not in c.widths:
+            raise ValueError(
+                f"routing chains needs the predictor's width-1 estimates; its widths are {c.widths}: "
+                "train the predictor with width 1 in its grid"
+            )
+        if not cost_model.has_chain_costs or list(cost_model.chain_depths) != list(c.depths):
+            raise ValueError(
+                "the hardware profile has no chain costs for the predictor's depths "
+                f"{list(c.depths)}: profile again with `specboost profile` (same depths)"
+            )
+        for name, momentum in (("calibration", calibration), ("cost_correction", cost_correction)):
+            if momentum is not None and not 0 <= momentum < 1:
+                raise ValueError(f"{name} is a momentum in [0, 1) (or None: off), got {momentum}")
+        self.num_ssms = c.num_ssms
+        self.depths = np.asarray(c.depths)
+        self.predictor = predictor
+        self._predict = predictor.compiled()
+        start = c.widths.index(1) * len(c.depths)
+        self._width_one = slice(start, start + len(c.depths))
+        self.cost_model = cost_model
+        self._momenta = (calibration, cost_correction)
+        everyone = range(self.num_ssms)
+        subsets = [s for r in range(1, len(everyone) + 1) for s in itertools.combinations(everyone, r)]
+        if len(subsets) > max_subsets:
+            subsets = [(i,) for i in everyone] + [tuple(everyone)]
+        self.subsets = np.zeros((len(subsets), self.num_ssms), dtype=bool)  # [U, S]
+        for u, members in enumerate(subsets):
+            self.subsets[u, list(members)] = True
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._plain: dict[int, ChainPlan] = {}
+        self.forget()
+
+    def forget(self) -> None:
+        """Start the online corrections afresh (see `LearnedScheduler.forget`)."""
+        calibration, cost_correction = self._momenta
+        self.calibration = (
+            None
+            if calibration is None
+            else OnlineCalibration(
+                self.num_ssms, 1, tuple(self.depths.tolist()), calibration, torch.device("cpu")
+            )
+        )
+        plain = max(float(self.cost_model.chain_verify_time(1, np.array([1]))[0]), 1e-9)
+        cheapest = max(float(self._costs(1)[1][:, 1].min()), 1e-9)
+        self.costs = None if cost_correction is None else CostCorrection(cost_correction, plain, cheapest)
+
+    @property
+    def cost_factors(self) -> tuple[float, float]:
+        return (1.0, 1.0) if self.costs is None else self.costs.factors
+
+    def _costs(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(verify [D + 1] seconds of a plain step, then of every depth; drafting [S, rows + 1, D])."""
+        if rows not in self._tables:
+            nodes = np.concatenate([[1], 1 + self.depths])
+            self._tables[rows] = (
+                self.cost_model.chain_verify_time(rows, nodes),
+                self.cost_model.chain_draft_table(rows),
+            )
+        return self._tables[rows]
+
+    def predict(self, hidden: list[torch.Tensor | None], texts: list[list[int]] | None = None) -> np.ndarray:
+        """[B, S, D] the predictor's width-1 match estimates; 0 for a row without a hidden state (a
+        one-token prompt's first step: nothing to route on, so it decodes plainly). `texts`, the
+        rows' tokens, are for routers that read them (the oracle's true lengths)."""
+        known = [b for b, h in enumerate(hidden) if h is not None]
+        if not known:
+            return np.zeros((len(hidden), self.num_ssms, len(self.depths)))
+        states = (
+            hidden[0][None] if len(known) == len(hidden) == 1 else torch.stack([hidden[b] for b in known])
+        )
+        with torch.no_grad():
+            out = self._predict(states)[..., self._width_one].cpu().numpy()  # [known, S, D]
+        if len(known) == len(hidden):
+            return out
+        f = np.zeros((len(hidden), *out.shape[1:]), dtype=out.dtype)
+        f[known] = out
+        return f
+
+    def plan(
+        self,
+        hidden: list[torch.Tensor | None],
+        max_depths: list[int],
+        pacing: DecisionPacing | None = None,
+        texts: list[list[int]] | None = None,
+    ) -> ChainPlan:
+        """The step's routing for rows with these hidden states (and texts) and tokens still
+        wanted; with `pacing` (the group's), a plain step without deciding when it says so."""
+        if pacing is not None and not pacing.due():
+            return self.plain(max_depths)
+        raw = self.predict(hidden, texts)
+        scale = 1.0 if self.calibration is None else self.calibration.depth_scales()  # [S, D]
+        cap = np.asarray(max_depths, dtype=np.float64)
+        f = np.minimum(raw * scale, cap[:, None, None])  # [B, S, D]
+        plan = self.choose(f, raw, cap)
+        if pacing is not None:
+            pacing.decided(plan.depth_index < 0)
+        return plan
+
+    def choose(self, f: np.ndarray, raw: np.ndarray, cap: np.ndarray) -> ChainPlan:
+        """The rule (module doc) on corrected estimates `f` [B, S, D]."""
+        rows = f.shape[0]
+        verify, draft = self._costs(rows)
+        v, g = self.cost_factors
+        route = (
+            self._route_one(f[0], verify, draft, v, g) if rows == 1 else self._route(f, verify, draft, v, g)
+        )
+        plain = ChainPlan(np.full(rows, NO_SSM), [0] * rows, -1, raw[:, 0], cap, (float(verify[0]), 0.0))
+        if route is None:
+            return plain
+        ssm, d, drafting_s = route
+        length = int(self.depths[d])
+        lengths = [min(length, int(c)) if i != NO_SSM else 0 for i, c in zip(ssm, cap, strict=True)]
+        ssm[np.asarray(lengths) == 0] = NO_SSM  # rows with no token left to draft
+        if not any(lengths):
+            return plain
+        predicted = raw[np.arange(rows), np.maximum(ssm, 0)]  # [B, D]
+        return ChainPlan(ssm, lengths, int(d), predicted, cap, (float(verify[1 + d]), drafting_s))
+
+    def plain(self, max_depths: list[int] | np.ndarray) -> ChainPlan:
+        """A plain step for every row (nothing drafted); one shared plan per batch size (nothing
+        reads a plain plan's estimates or depths)."""
+        rows = len(max_depths)
+        if rows not in self._plain:
+            nothing = np.zeros((rows, len(self.depths)))
+            profiled = (float(self._costs(rows)[0][0]), 0.0)
+            self._plain[rows] = ChainPlan(
+                np.full(rows, NO_SSM), [0] * rows, -1, nothing, np.zeros(rows), profiled
+            )
+        return self._plain[rows]
+
+    @staticmethod
+    def _route_one(
+        f: np.ndarray, verify: np.ndarray, draft: np.ndarray, v: float, g: float
+    ) -> tuple[np.ndarray, int, float] | None:
+        """One row: the best (SSM, depth) of (1 + f) / seconds [S, D], None if plain is better
+        (the batch rule's value at B = 1, with a few numpy calls: it runs every step)."""
+        score = (1 + f) / (v * verify[1:] + g * draft[:, 1])  # [S, D]
+        i, d = np.unravel_index(score.argmax(), score.shape)
+        if 1 / (v * verify[0]) >= score[i, d]:
+            return None
+        return np.array([i]), int(d), float(draft[i, 1, d])
+
+    def _route(
+        self, f: np.ndarray, verify: np.ndarray, draft: np.ndarray, v: float, g: float
+    ) -> tuple[np.ndarray, int, float] | None:
+        """A batch: the best (depth, SSM set) routing, then K = 0 per row; None if plain is better.
+        Returns each row's SSM (NO_SSM: none), the depth index and the drafting seconds."""
+        rows = f.shape[0]
+        masked = np.where(self.subsets[:, None, :, None], f[None], -np.inf)  # [U, B, S, D]
+        best = masked.argmax(2)  # [U, B, D] each row's SSM in U
+        gain = np.take_along_axis(masked, best[:, :, None], 2)[:, :, 0]  # [U, B, D]
+        routed = (best[..., None] == np.arange(self.num_ssms)).sum(1)  # [U, D, S] rows per SSM
+        depth = np.arange(len(self.depths))
+        drafting = draft[np.arange(self.num_ssms), routed, depth[None, :, None]].sum(-1)  # [U, D]
+        tokens = rows + gain.sum(1)  # [U, D]
+        score = tokens / (v * verify[1:] + g * drafting)
+        u, d = np.unravel_index(score.argmax(), score.shape)
+        if rows / (v * verify[0]) >= score[u, d]:
+            return None
+        ssm, e = best[u, :, d].copy(), gain[u, :, d]
+        counts = routed[u, d].copy()
+        tokens_kept, verify_s, drafting_s = float(tokens[u, d]), float(verify[1 + d]), float(drafting[u, d])
+        for b in np.argsort(e):  # K = 0 per row: the least promising rows first
+            i = ssm[b]
+            marginal = draft[i, counts[i], d] - draft[i, counts[i] - 1, d]
+            if e[b] * (v * verify_s + g * drafting_s) >= tokens_kept * g * marginal:
+                break
+            ssm[b], counts[i] = NO_SSM, counts[i] - 1
+            tokens_kept, drafting_s = tokens_kept - e[b], drafting_s - marginal
+        return ssm, int(d), drafting_s
+
+    def observe(
+        self, plan: ChainPlan, accepted: list[int], verify_seconds: float, drafting_seconds: float
+    ) -> None:
+        """Correct the estimates with each drafting row's accepted tokens (5.1) and the costs with
+        the step's measured seconds (5.2)."""
+        drafting = np.flatnonzero(plan.ssm != NO_SSM) if plan.depth_index >= 0 else ()
+        if self.calibration is not None and len(drafting):
+            self.calibration.observe(
+                plan.ssm[drafting],
+                plan.predicted[drafting],
+                np.full(len(drafting), plan.depth_index),
+                np.asarray(accepted, dtype=np.float64)[drafting],
+                plan.max_depths[drafting],
+            )
+        if self.costs is not None:
+            self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
+
+
+class DecisionPacing:
+    """When to decide. A plain step costs one small LLM pass, and deciding (the predictor's MLP,
+    the rule) can cost a tenth of it on a small model; so after a plain decision the next ones are
+    spaced out, 1, 2, 4 then MAX_SKIP plain steps taken without deciding, and a drafting decision
+    (or a new row) brings back deciding every step. Where speculation does not pay, deciding then
+    costs about a ninth of what it would; where it starts to pay, a few steps are lost."""
+
+    def __init__(self) -> None:
+        self.skip = 0  # plain steps to take after the next plain decision
+        self.wait = 0  # plain steps still to take before deciding again
+
+    def due(self) -> bool:
+        if self.wait:
+            self.wait -= 1
+            return False
+        return True
+
+    def decided(self, plain: bool) -> None:
+        self.skip = min(max(1, 2 * self.skip), MAX_SKIP) if plain else 0
+        self.wait = self.skip if plain else 0
+
+    def restart(self) -> None:
+        self.skip = self.wait = 0

@@ -1,0 +1,160 @@
+"""The routed scheduler (ALGORITHMS.md section 5.3): per step, plain decoding or ONE SSM's argmax
+chain, the SSM and its length chosen by `ChainRouter` from the LLM's hidden state and the chain
+costs of the hardware profile. The learned scheduler's default action space (`strategy="learned"`).
+
+Drafting is the fast chain drafter's (`BatchedChainDrafter`, one per SSM, each SSM on its own
+cache): a chain costs what a fixed chain of that SSM costs, and an SSM that sat steps out catches
+up in one pass when it is chosen again. The drafts are argmax chains, deterministic given the text,
+so every verification rule for them is lossless: greedy, or under sampling the target rule
+(sample from the LLM, accept the equal child).
+
+A batch (`decoder/routed_drafting.py`) routes its rows together; this class is the strategy of
+one sequence (`propose`) and holds what the batches share: the models and the router, whose online
+corrections persist across calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from specboost.speculator.batched_drafter import BatchedChainDrafter
+from specboost.speculator.chain_router import ChainPlan, ChainRouter, DecisionPacing
+from specboost.speculator.cost_model import CostModel
+from specboost.speculator.kv_cache import CompiledPass
+from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.scheduler import check_pool_size
+from specboost.speculator.speculation import DraftRequest, StepFeedback
+from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
+
+
+class RoutedChains:
+    """The chain drafters of one group of sequences: one `BatchedChainDrafter` per SSM over the
+    group's rows, drafting the rows a `ChainPlan` routes to it."""
+
+    def __init__(
+        self,
+        ssms: list[PreTrainedModel],
+        compiled: Callable[[PreTrainedModel], CompiledPass | None] | None = None,
+    ) -> None:
+        self.drafters = [BatchedChainDrafter(m, compiled(m) if compiled else None) for m in ssms]
+
+    def add(self, count: int) -> None:
+        for drafter in self.drafters:
+            drafter.add_sequences(count)
+
+    def select(self, keep: list[int]) -> None:
+        for drafter in self.drafters:
+            drafter.select(keep)
+
+    def nothing(self, verified: list[list[int]]) -> ChainDraft:
+        """Chains of no token for every row (a plain step)."""
+        empty = torch.zeros(len(verified), 0, dtype=torch.long, device=self.drafters[0].model.device)
+        return ChainDraft([v[-1] for v in verified], empty, [0] * len(verified), 0)
+
+    def draft(self, verified: list[list[int]], plan: ChainPlan) -> ChainDraft:
+        """Every row's chain, on the device (rows drafting nothing: length 0)."""
+        width = max(plan.lengths, default=0)  # 0: a plain step, chains of no token
+        tokens = torch.zeros(len(verified), width, dtype=torch.long, device=self.drafters[0].model.device)
+        lengths = list(plan.lengths)
+        for i in np.unique(plan.ssm[plan.ssm >= 0]).tolist():
+            mine = plan.ssm == i
+            chains, drafted = self.drafters[i].draft_greedy(
+                verified, [n if on else 0 for n, on in zip(plan.lengths, mine, strict=True)]
+            )
+            for b in np.flatnonzero(mine).tolist():
+                lengths[b] = drafted[b]  # fewer past the SSM's context
+            rows = torch.as_tensor(mine, device=tokens.device)[:, None]
+            tokens[:, : chains.shape[1]] = torch.where(rows, chains, tokens[:, : chains.shape[1]])
+        roots = [v[-1] for v in verified]
+        return ChainDraft(roots, tokens, lengths, np.maximum(plan.ssm, 0).tolist())
+
+
+class RoutedScheduler:
+    """A Speculator: per step plain decoding or one SSM's argmax chain (section 5.3)."""
+
+    wants_hidden = True
+
+    def __init__(
+        self,
+        ssms: list[PreTrainedModel],
+        predictor: MatchLengthPredictor,
+        cost_model: CostModel,
+        calibration: float | None = 0.9,
+        cost_correction: float | None = 0.9,
+    ) -> None:
+        check_pool_size(predictor, cost_model, len(ssms))
+        self.models = list(ssms)
+        self.num_ssms = len(ssms)
+        self.router = ChainRouter(predictor.to(ssms[0].device), cost_model, calibration, cost_correction)
+        self.compiler: Callable[[PreTrainedModel], CompiledPass | None] | None = None  # set by the decoder
+        self.reset(None)
+
+    def forget(self) -> None:
+        """Start the online corrections afresh (a warm-up taught nothing about the workload)."""
+        self.router.forget()
+
+    def tree_kind(self, do_sample: bool) -> DraftKind:
+        return DraftKind.GREEDY
+
+    def reset(self, seed: int | None) -> None:
+        self.chains = RoutedChains(self.models, self.compiler)
+        self.chains.add(1)
+        self.record = ActionRecord()
+        self.pacing = DecisionPacing()
+        self._plan: ChainPlan | None = None
+        self._drafting = 0.0
+
+    def propose(self, request: DraftRequest) -> TokenTree:
+        start = time.perf_counter()
+        self._plan = self.router.plan([request.hidden], [request.max_depth], self.pacing, [request.verified])
+        self.record.decided(self._plan.action(0), time.perf_counter() - start)
+        start = time.perf_counter()
+        drafted = self.chains.draft([request.verified], self._plan)
+        tree = drafted.trees(drafted.tokens.tolist())[0]
+        self._drafting = time.perf_counter() - start
+        return tree
+
+    def observe(self, feedback: StepFeedback) -> None:
+        if self._plan is not None:
+            start = time.perf_counter()
+            self.router.observe(self._plan, [len(feedback.accepted)], feedback.verify_seconds, self._drafting)
+            self.record.decision_seconds += time.perf_counter() - start
+
+    def report(self) -> dict:
+        return self.record.report()
+
+
+class ActionRecord:
+    """What a sequence's scheduler chose, step by step, and the time it took to choose."""
+
+    def __init__(self) -> None:
+        self.actions: Counter[str] = Counter()
+        self.choices: list[str] = []
+        self.decision_seconds = 0.0
+        self.step_seconds = 0.0
+        self._last_step: float | None = None
+
+    def decided(self, action: str, seconds: float) -> None:
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self.step_seconds += now - self._last_step
+        self._last_step = now
+        self.actions[action] += 1
+        self.choices.append(action)
+        self.decision_seconds += seconds
+
+    def report(self) -> dict:
+        return {
+            "strategy": "learned",
+            "actions": dict(self.actions),
+            "choices": self.choices,
+            "decision_seconds": self.decision_seconds,
+            # Time between the first and the last decision: all steps but the last.
+            "overhead_fraction": self.decision_seconds / self.step_seconds if self.step_seconds else 0.0,
+        }

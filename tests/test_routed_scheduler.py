@@ -1,0 +1,302 @@
+"""The routed scheduler (ALGORITHMS.md section 5.3): per step and batch, plain decoding or one SSM's
+argmax chain per row. Its rule against brute force, its online corrections, lossless decoding with
+it (one sequence, batches, the engine, sampled), and the chain tables of the profile."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, noisy_copy, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scheduler import DEPTHS, FAVOURS_SSM_0, SPECULATE, VERIFY, WIDTHS, constant_predictor, cost_table
+
+from specboost.decoder import SpeculativeDecoder
+from specboost.decoder.batched import BatchedDecoder
+from specboost.decoder.engine import Engine, EngineConfig
+from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.strategies import StrategyOptions
+from specboost.speculator.chain_router import NO_SSM, ChainRouter, DecisionPacing
+from specboost.speculator.cost_model import CostModel
+from specboost.speculator.oracle_router import OracleRouter
+from specboost.speculator.padding import left_pad
+from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
+from specboost.speculator.routed_scheduler import RoutedScheduler
+
+
+def chain_costs(verify: list[list[float]], draft: list[list[list[float]]]) -> CostModel:
+    """A profile with only the chain tables: `verify` [batch 1, 8][plain, depth 1, depth 4] and
+    `draft` [SSM][batch 1, 8][depth 1, depth 4] seconds."""
+    return CostModel(
+        "test|float64",
+        [1],
+        [verify[0][0]],
+        [{} for _ in draft],
+        [0.001] * len(draft),
+        batch_sizes=[1, 8],
+        chain_nodes=[1, *(1 + d for d in DEPTHS)],
+        chain_verify_seconds=verify,
+        chain_depths=list(DEPTHS),
+        chain_seconds=draft,
+    )
+
+
+def objective(router: ChainRouter, f: np.ndarray, ssm: np.ndarray, depth: int) -> float:
+    """Expected tokens per second of routing row b to SSM ssm[b] (NO_SSM: none) at grid depth
+    `depth`, on the profile's numbers (the rule's objective, computed directly)."""
+    rows = len(ssm)
+    verify, draft = router._costs(rows)
+    drafting = [b for b in range(rows) if ssm[b] != NO_SSM]
+    if not drafting:
+        return rows / verify[0]
+    tokens = rows + sum(f[b, ssm[b], depth] for b in drafting)
+    counts = np.bincount(ssm[drafting], minlength=router.num_ssms)
+    seconds = verify[1 + depth] + sum(draft[i, n, depth] for i, n in enumerate(counts) if n)
+    return tokens / seconds
+
+
+def plan_objective(router: ChainRouter, f: np.ndarray) -> float:
+    plan = router.choose(f, f, np.full(f.shape[0], 100.0))
+    return objective(router, f, plan.ssm, max(plan.depth_index, 0))
+
+
+costs = st.floats(1e-4, 1e-2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    f=st.lists(st.floats(0, 4), min_size=4, max_size=4),
+    verify=st.lists(costs, min_size=3, max_size=3),
+    draft=st.lists(costs, min_size=4, max_size=4),
+)
+def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, draft) -> None:
+    """At batch 1 the rule is the argmax over plain and every (SSM, length) of expected tokens per
+    second (brute force over the 5 actions)."""
+    router = ChainRouter(
+        constant_predictor([[[0.0, 0.0]] * 2] * 2),
+        chain_costs([sorted(verify), sorted(verify)], [[draft[:2], draft[:2]], [draft[2:], draft[2:]]]),
+    )
+    f = np.minimum(np.asarray(f).reshape(1, 2, 2), DEPTHS)
+    best = max(
+        [objective(router, f, np.array([NO_SSM]), 0)]
+        + [objective(router, f, np.array([i]), d) for i in range(2) for d in range(2)]
+    )
+    assert plan_objective(router, f) == pytest.approx(best)
+    verify_s, draft_s = router._costs(1)
+    one, batch = (
+        router._route_one(f[0], verify_s, draft_s, 1.0, 1.0),
+        router._route(f, verify_s, draft_s, 1.0, 1.0),
+    )
+    assert (one is None) == (batch is None)  # the batch rule at B = 1 is the one-row rule
+    if one is not None:
+        assert objective(router, f, one[0], one[1]) == pytest.approx(objective(router, f, batch[0], batch[1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    f=st.lists(st.floats(0, 4), min_size=12, max_size=12),
+    scale=st.floats(0.2, 5.0),
+)
+def test_a_batch_never_does_worse_than_plain_or_one_fixed_chain_for_all(f, scale) -> None:
+    """Batch 3, 2 SSMs: the rule's routing is at least as good, on its own objective, as plain
+    decoding and as every fixed choice of one SSM and one length for every row (the fixed rows of
+    the benchmark); and no worse than its best subset routing before it turns rows off."""
+    verify = [[1e-3, 1.3e-3, 2e-3], [2e-3, 2.8e-3, 5e-3]]
+    draft = [[[0.2e-3 * scale, 0.7e-3 * scale], [0.3e-3 * scale, 1.1e-3 * scale]]] * 2
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2] * 2), chain_costs(verify, draft))
+    f = np.minimum(np.asarray(f).reshape(3, 2, 2), DEPTHS)
+    fixed = [objective(router, f, np.full(3, i), d) for i in range(2) for d in range(2)]
+    got = plan_objective(router, f)
+    assert got >= objective(router, f, np.full(3, NO_SSM), 0) * (1 - 1e-9)
+    assert got >= max(fixed) * (1 - 1e-9)
+
+
+def test_nothing_predicted_decodes_plainly_and_rows_turn_off_alone() -> None:
+    verify = [[1e-3, 1.2e-3, 1.5e-3], [2e-3, 2.2e-3, 2.5e-3]]
+    draft = [[[0.1e-3, 0.4e-3], [0.2e-3, 0.5e-3]]] * 2
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2] * 2), chain_costs(verify, draft))
+    zero = np.zeros((2, 2, 2))
+    plan = router.choose(zero, zero, np.full(2, 100.0))
+    assert plan.lengths == [0, 0] and plan.depth_index == -1
+    f = np.zeros((8, 2, 2))
+    f[:7, 1] = [0.9, 3.5]  # seven rows where SSM 1 matches well, one where nothing does
+    plan = router.choose(f, f, np.full(8, 100.0))
+    assert plan.lengths == [4] * 7 + [0] and plan.ssm.tolist() == [1] * 7 + [NO_SSM]
+    assert [plan.action(b) for b in (0, 7)] == ["SSM 1 x4", "plain"]
+
+
+def test_the_router_refuses_a_profile_without_chain_costs_and_a_grid_without_width_one() -> None:
+    plain_profile = CostModel("test", [1], [1e-3], [{}], [1e-3])
+    with pytest.raises(ValueError, match="profile again"):
+        ChainRouter(constant_predictor([[[1.0, 1.0]] * 2]), plain_profile)
+    wide = MatchLengthPredictor(PredictorConfig(input_size=32, num_ssms=1, widths=(2,), depths=DEPTHS))
+    with pytest.raises(ValueError, match="width 1"):
+        ChainRouter(wide, cost_table(1, VERIFY, SPECULATE))
+
+
+def routed_decoder(llm, ssms, predictor=None, cost=None, **kwargs) -> SpeculativeDecoder:
+    predictor = predictor or constant_predictor(FAVOURS_SSM_0)
+    cost = cost or cost_table(len(ssms), VERIFY, SPECULATE)
+    return SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost, **kwargs)
+
+
+@pytest.mark.parametrize("prompt_length", [1, 6])
+def test_routed_decoding_reproduces_greedy_decoding(prompt_length: int) -> None:
+    """Chains of both SSMs and lengths, plain steps: the output is the LLM's greedy output."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [tiny_llama(layers=1, seed=1), tiny_llama(layers=1, seed=2)]
+    torch.manual_seed(0)
+    decoder = routed_decoder(llm, ssms)
+    assert isinstance(decoder.speculator, RoutedScheduler)
+    prompt = torch.randint(0, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=30)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
+    report = out.stats.strategy
+    assert sum(report["actions"].values()) == out.stats.llm_steps == len(report["choices"])
+    assert any(a.startswith("SSM") for a in report["actions"]) and 0 <= report["overhead_fraction"] < 1
+
+
+def test_a_bad_favourite_is_found_out_and_the_other_ssm_drafts() -> None:
+    """Issue 28's test for the routed scheduler: SSM 0, predicted best, is a random model; SSM 1 is
+    a copy of the LLM. After SSM 0's first draft the router moves to SSM 1 and stays there."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [tiny_llama(layers=2, seed=7), copy.deepcopy(llm)]
+    decoder = routed_decoder(llm, ssms)
+    decoder.speculator.router.costs = None  # a made-up profile: keep its costs (5.2)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=40)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
+    choices = out.stats.strategy["choices"]
+    assert choices[0] == "SSM 0 x4" and choices[1].startswith("SSM 1")
+    assert not any(c.startswith("SSM 0") for c in choices[1:])
+    scales = decoder.speculator.router.calibration.ssm_scales()
+    assert scales[0] < 0.5 < 1.0 < scales[1]
+
+
+def test_drafting_much_slower_than_profiled_turns_speculation_off() -> None:
+    """The profile says drafting is nearly free; here a draft takes 10x its profiled time and the
+    verification as profiled. After the first draft's measured time the corrected router (5.2)
+    decodes plainly; without the correction it keeps drafting."""
+    predictor = constant_predictor([[[0.3, 1.0], [0.35, 1.1]]])
+    hidden, wanted = [torch.zeros(32)], [60]
+    for corrected in (True, False):
+        router = ChainRouter(
+            predictor, cost_table(1, [1e-3] * 5, SPECULATE), None, 0.9 if corrected else None
+        )
+        actions = []
+        for _ in range(6):
+            plan = router.plan(hidden, wanted)
+            actions.append(plan.action(0))
+            router.observe(plan, [1], plan.profiled[0], 10 * plan.profiled[1])
+        assert actions == ["SSM 0 x4"] + (["plain"] * 5 if corrected else ["SSM 0 x4"] * 5)
+    assert router.cost_factors == (1.0, 1.0)  # the uncorrected one
+
+
+def test_routed_batches_and_the_engine_equal_each_row_alone() -> None:
+    """Batches of rows of different lengths, some drafting and some not in a step (SSM 0 is random,
+    SSM 1 a copy of the LLM): every row is the LLM's own greedy output, in a batch and in the
+    serving engine's groups."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [tiny_llama(layers=1, seed=1), copy.deepcopy(llm)]
+    decoder = routed_decoder(llm, ssms)
+    decoder.speculator.router.costs = None  # a made-up profile: keep its costs (5.2)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 7, 5, 2)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    out = BatchedDecoder(decoder).generate(ids, mask, max_new_tokens=20, do_sample=False)
+    expected = [
+        llm.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :] for p in prompts
+    ]
+    for b in range(len(prompts)):
+        assert out.sequences[b, ids.shape[1] :].tolist() == expected[b].tolist()
+    actions = Counter()
+    for stats in out.stats.sequences:
+        actions.update(stats.strategy["actions"])
+    assert any(a.startswith("SSM 1") for a in actions)
+    with Engine(decoder, EngineConfig(batch_size=2, num_groups=2)) as engine:
+        results = engine.run(prompts, timeout=60, max_new_tokens=20, do_sample=False)
+    for result, tokens in zip(results, expected, strict=True):
+        assert result.new_tokens == tokens.tolist()
+
+
+def test_profile_measures_chain_tables_at_every_batch_size() -> None:
+    llm, ssms = tiny_llama(layers=2, seed=0), [tiny_llama(layers=1, seed=1)] * 2
+    config = ProfileConfig(WIDTHS, DEPTHS, (1, 4), prefix_length=4, repeats=1, batch_sizes=(1, 3))
+    cost = profile(llm, ssms, config, False)
+    assert cost.has_chain_costs and cost.batch_sizes == [1, 3] and cost.chain_nodes == [1, 2, 5]
+    assert np.asarray(cost.chain_verify_seconds).shape == (2, 3)
+    assert np.asarray(cost.chain_seconds).shape == (2, 2, 2)
+    assert min(np.asarray(cost.chain_seconds).flat) > 0
+    assert cost.chain_draft_table(4).shape == (2, 5, 2) and (cost.chain_draft_table(4)[:, 0] == 0).all()
+
+
+def test_unknown_actions_are_refused() -> None:
+    with pytest.raises(ValueError, match="actions must be one of 'chains', 'trees'"):
+        StrategyOptions(actions="forest")
+
+
+def test_pacing_spaces_out_decisions_while_they_decline() -> None:
+    """After plain decisions the next decisions come 1, 2, 4 then 8 plain steps later; a drafting
+    decision (or a restart: new rows) brings deciding back to every step."""
+    pacing, steps = DecisionPacing(), []
+    for _ in range(40):
+        due = pacing.due()
+        steps.append(due)
+        if due:
+            pacing.decided(plain=True)
+    decided = [i for i, due in enumerate(steps) if due]
+    assert decided == [0, 2, 5, 10, 19, 28, 37]
+    pacing.decided(plain=False)
+    assert pacing.due() and pacing.due()
+    pacing.decided(plain=True)
+    pacing.restart()
+    assert pacing.due()
+
+
+def test_a_router_that_declines_decides_rarely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A predictor that expects nothing: every step is plain, and the predictor runs in about one
+    step of nine (the output is still the LLM's)."""
+    llm = tiny_llama(layers=2, seed=0)
+    decoder = routed_decoder(llm, [tiny_llama(layers=1, seed=1)], constant_predictor([[[0.0, 0.0]] * 2]))
+    calls = []
+    predict = ChainRouter.predict
+    monkeypatch.setattr(ChainRouter, "predict", lambda self, *args: calls.append(1) or predict(self, *args))
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=60)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
+    assert (
+        out.stats.strategy["actions"] == {"plain": 60} and len(calls) == 9
+    )  # steps 0, 2, 5, 10, 19, 28, ..., 55
+
+
+def test_the_oracle_predicts_exactly_what_greedy_verification_accepts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The oracle router (5.3's rule on the true match lengths): at every drafting step the
+    accepted length equals its estimate for the chosen SSM and length, and the output is still the
+    LLM's own greedy output."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [noisy_copy(llm, 0.3, seed=1), noisy_copy(llm, 0.1, seed=2)]
+    decoder = routed_decoder(llm, ssms)
+    scheduler = decoder.speculator
+    scheduler.router = OracleRouter(scheduler.router, llm, ssms)
+    scheduler.router.costs = None  # a made-up profile: keep its costs
+    steps = []
+    observe = ChainRouter.observe
+
+    def check(self, plan, accepted, *seconds):
+        for b, length in enumerate(plan.lengths):
+            if length:
+                steps.append((plan.predicted[b, plan.depth_index], accepted[b]))
+        return observe(self, plan, accepted, *seconds)
+
+    monkeypatch.setattr(ChainRouter, "observe", check)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=40)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
+    assert len(steps) > 3 and all(predicted == accepted for predicted, accepted in steps)
+    assert len(scheduler.router.known) == 1  # one prompt: one greedy output generated
