@@ -313,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument(
         "--threads", type=THREADS, metavar="N", help="torch CPU threads (default: torch's default)"
     )
+    prof.add_argument(
+        "--compile",
+        action="store_true",
+        help="also measure the learned scheduler's chain costs on the compiled loop (compiles its "
+        "passes: minutes on a CPU); a compiled decoder then takes those",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -580,9 +586,8 @@ def profile_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
-    cost = profile(
-        models.llm, models.ssms, ProfileConfig(prefix_length=args.prefix_length, repeats=args.repeats)
-    )
+    config = ProfileConfig(prefix_length=args.prefix_length, repeats=args.repeats, compile=args.compile)
+    cost = profile(models.llm, models.ssms, config)
     save_cost_model(cost, args.out)
     sizes = ", ".join(
         f"{n}: {t * 1e3:.2f}" for n, t in zip(cost.verify_tokens, cost.verify_seconds, strict=True)

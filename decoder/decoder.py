@@ -157,6 +157,7 @@ class SpeculativeDecoder:
             drafter.compiler = self.calls.get
         if isinstance(self.speculator, RoutedScheduler):
             self.speculator.compiler = self.calls.get
+            self.speculator.router.costs_on_compiled_loop(enabled)
         self.calls.expect_passes(self.llm, self.speculator)
 
     @classmethod

@@ -24,15 +24,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.validation import model_name
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.cost_model import CostModel, device_key
 from specboost.speculator.drafter import PoolDrafter
-from specboost.speculator.kv_cache import TreeCache, capacity_for
+from specboost.speculator.kv_cache import CompiledPass, TreeCache, capacity_for
 from specboost.speculator.predictor import DEPTHS, WIDTHS
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.shapes import BeamShape, ChainShape
 from specboost.speculator.tree import ChainDraft, TokenTree, TreeBatch
+
+COMPILED = "compiled "  # the names of the compiled runs start with it
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class ProfileConfig:
     depths: tuple[int, ...] = DEPTHS
     verify_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)  # rows of the chain tables (section 5.3)
+    compile: bool = False  # also the chain tables on the compiled loop (compiles their passes)
     prefix_length: int = 64
     repeats: int = 5
     seed: int = 0
@@ -134,6 +138,9 @@ def profile(
                 )
     batch_sizes = sorted(set(config.batch_sizes))
     runs |= chain_runs(llm, ssms, prefix, batch_sizes, config)
+    if config.compile:
+        calls = ModelCalls(device, enabled=True)
+        runs |= chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
     pool = PoolDrafter(ssms) if len(ssms) > 1 else None
     if pool is not None and pool.stacked:  # one step of every SSM at once
         steps = [ChainShape(1)] * len(ssms)
@@ -158,13 +165,38 @@ def profile(
         ssms=[model_name(s) for s in ssms],
         batch_sizes=batch_sizes,
         chain_nodes=config.chain_nodes,
-        chain_verify_seconds=[[seconds[f"verify {b}x{n}"] for n in config.chain_nodes] for b in batch_sizes],
         chain_depths=list(config.depths),
-        chain_seconds=[
-            [[seconds[f"ssm {i} chain {b}x{d}"] for d in config.depths] for b in batch_sizes]
-            for i in range(len(ssms))
-        ],
+        chain_seconds=chain_table(seconds, len(ssms), batch_sizes, config.depths),
+        chain_verify_seconds=verify_table(seconds, batch_sizes, config.chain_nodes),
+        **(
+            {
+                "compiled_chain_seconds": chain_table(
+                    seconds, len(ssms), batch_sizes, config.depths, COMPILED
+                ),
+                "compiled_chain_verify_seconds": verify_table(
+                    seconds, batch_sizes, config.chain_nodes, COMPILED
+                ),
+            }
+            if config.compile
+            else {}
+        ),
     )
+
+
+def chain_table(
+    seconds: dict[str, float], ssms: int, batch_sizes: list[int], depths: tuple[int, ...], tag: str = ""
+) -> list[list[list[float]]]:
+    """[SSM][batch][depth] of the "ssm I chain BxD" runs (`tag`: of the compiled runs)."""
+    return [
+        [[seconds[f"{tag}ssm {i} chain {b}x{d}"] for d in depths] for b in batch_sizes] for i in range(ssms)
+    ]
+
+
+def verify_table(
+    seconds: dict[str, float], batch_sizes: list[int], nodes: list[int], tag: str = ""
+) -> list[list[float]]:
+    """[batch][nodes] of the "verify BxN" runs (`tag`: of the compiled runs)."""
+    return [[seconds[f"{tag}verify {b}x{n}"] for n in nodes] for b in batch_sizes]
 
 
 def chain_runs(
@@ -173,29 +205,33 @@ def chain_runs(
     prefix: list[int],
     batch_sizes: list[int],
     config: ProfileConfig,
+    compiled: Callable[[PreTrainedModel], CompiledPass | None] = lambda model: None,
+    tag: str = "",
 ) -> dict[str, Callable[[], object]]:
     """The timed runs of the chain tables (section 5.3): "verify BxN", the LLM's pass over a chain
     of N nodes in each of B rows after the prefix, then the commit of the root and the truncation a
     real step does; "ssm I chain BxD", SSM I drafting a D-token greedy chain in each of B rows after
-    the prefix (its cache holding the prefix but the last token, as after a step)."""
+    the prefix (its cache holding the prefix but the last token, as after a step). With
+    `compiled` (a model's compiled pass), on the compiled loop, the names prefixed by `tag`. The
+    LLM's passes return the hidden states, as the learned scheduler's verification does."""
     runs: dict[str, Callable[[], object]] = {}
     largest = max(config.chain_nodes)
     for rows in batch_sizes:
-        target = TreeCache(llm, rows, capacity_for(len(prefix) + largest))
+        target = TreeCache(llm, rows, capacity_for(len(prefix) + largest), compiled(llm))
         target.feed_chains([prefix[:-1]] * rows, eager=True)
         for nodes in config.chain_nodes:
             chains = ChainDraft(
                 [prefix[-1]] * rows, torch.zeros(rows, nodes - 1, dtype=torch.long), [nodes - 1] * rows, 0
             )
-            runs[f"verify {rows}x{nodes}"] = functools.partial(
+            runs[f"{tag}verify {rows}x{nodes}"] = functools.partial(
                 _verify_chains, target, chains.batch(), len(prefix)
             )
         for index, ssm in enumerate(ssms):
-            drafter = BatchedChainDrafter(ssm)
+            drafter = BatchedChainDrafter(ssm, compiled(ssm))
             drafter.add_sequences(rows)
             drafter.draft_greedy([prefix] * rows, [1] * rows)  # fill the cache: timed runs catch up one token
             for depth in config.depths:
-                runs[f"ssm {index} chain {rows}x{depth}"] = functools.partial(
+                runs[f"{tag}ssm {index} chain {rows}x{depth}"] = functools.partial(
                     drafter.draft_greedy, [prefix] * rows, [depth] * rows
                 )
     return runs
@@ -203,7 +239,7 @@ def chain_runs(
 
 def _verify_chains(target: TreeCache, batch: TreeBatch, prefix_length: int) -> None:
     """One LLM pass over `batch` (one chain per row), the roots kept, then back to the prefix."""
-    target.feed(batch.tokens, prefix_length - 1 + batch.depths, batch.ancestors)
+    target.feed(batch.tokens, prefix_length - 1 + batch.depths, batch.ancestors, True)
     target.commit([[0]] * target.rows)
     for row in range(target.rows):
         target.truncate(row, prefix_length - 1)

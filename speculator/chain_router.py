@@ -98,6 +98,13 @@ class ChainRouter:
         self.subsets = np.zeros((len(subsets), self.num_ssms), dtype=bool)  # [U, S]
         for u, members in enumerate(subsets):
             self.subsets[u, list(members)] = True
+        self.costs_on_compiled_loop(False)
+
+    def costs_on_compiled_loop(self, compiled: bool) -> None:
+        """Take the profile's costs of the compiled loop (when it has them, else the eager ones,
+        which the online correction then scales) or of the eager loop; starts the corrections
+        afresh. The decoder says which loop runs."""
+        self.compiled = compiled and self.cost_model.has_compiled_chain_costs
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._plain: dict[int, ChainPlan] = {}
         self.forget()
@@ -125,8 +132,8 @@ class ChainRouter:
         if rows not in self._tables:
             nodes = np.concatenate([[1], 1 + self.depths])
             self._tables[rows] = (
-                self.cost_model.chain_verify_time(rows, nodes),
-                self.cost_model.chain_draft_table(rows),
+                self.cost_model.chain_verify_time(rows, nodes, self.compiled),
+                self.cost_model.chain_draft_table(rows, self.compiled),
             )
         return self._tables[rows]
 

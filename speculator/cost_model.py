@@ -13,7 +13,9 @@ The chain tables cost the routed scheduler's actions (ALGORITHMS.md section 5.3)
 sizes: `chain_verify_time(rows, n)` is one LLM pass over `rows` rows of an n-node chain (root
 included), `chain_draft_time(ssm, rows, d)` one SSM's `BatchedChainDrafter` drafting a chain of d
 tokens for `rows` rows (a catch-up pass of one token, then a pass per further token). Both are
-piecewise-linear between the measured sizes and extended linearly past the largest.
+piecewise-linear between the measured sizes and extended linearly past the largest. A profile
+measured with `--compile` holds them on the compiled loop too, where their ratios differ (a
+compiled one-token pass is cheaper next to a longer one than an eager one is).
 
 A profile file (`hardware_profile.json`, in the pool folder) maps a device key such as
 "cpu: AMD EPYC 7B13 (1 threads)|float32" to one `CostModel`. Latencies measured on one machine
@@ -72,6 +74,9 @@ class CostModel:
     chain_verify_seconds: list[list[float]] = field(default_factory=list)  # [batch][node size]
     chain_depths: list[int] = field(default_factory=list)  # chain lengths drafted
     chain_seconds: list[list[list[float]]] = field(default_factory=list)  # [SSM][batch][depth]
+    # The same tables on the compiled loop (`specboost profile --compile`); empty: not measured.
+    compiled_chain_verify_seconds: list[list[float]] = field(default_factory=list)
+    compiled_chain_seconds: list[list[list[float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.verify_tokens) != len(self.verify_seconds) or not self.verify_tokens:
@@ -95,19 +100,28 @@ class CostModel:
         result = extrapolated(n_tokens, self.verify_tokens, self.verify_seconds)
         return float(result) if result.ndim == 0 else result
 
-    def chain_verify_time(self, rows: int, nodes: np.ndarray) -> np.ndarray:
-        """L_verify(rows, n) of chains of `nodes` sizes (root included) for `rows` rows (5.3)."""
-        per_batch = np.stack([extrapolated(nodes, self.chain_nodes, y) for y in self.chain_verify_seconds])
+    @property
+    def has_compiled_chain_costs(self) -> bool:
+        return bool(self.compiled_chain_verify_seconds and self.compiled_chain_seconds)
+
+    def chain_verify_time(self, rows: int, nodes: np.ndarray, compiled: bool = False) -> np.ndarray:
+        """L_verify(rows, n) of chains of `nodes` sizes (root included) for `rows` rows (5.3), on
+        the compiled loop when `compiled` and measured there."""
+        table = self.compiled_chain_verify_seconds if compiled and self.has_compiled_chain_costs else None
+        per_batch = np.stack(
+            [extrapolated(nodes, self.chain_nodes, y) for y in table or self.chain_verify_seconds]
+        )
         return np.stack(
             [extrapolated(rows, self.batch_sizes, per_batch[:, j]) for j in range(per_batch.shape[1])]
         )
 
-    def chain_draft_table(self, max_rows: int) -> np.ndarray:
+    def chain_draft_table(self, max_rows: int, compiled: bool = False) -> np.ndarray:
         """[SSM, max_rows + 1, chain_depths] seconds of SSM i drafting chains for 0..max_rows rows
-        (0 rows: nothing drafted, 0 s)."""
+        (0 rows: nothing drafted, 0 s), on the compiled loop when `compiled` and measured there."""
         rows = np.arange(1, max_rows + 1)
         table = np.zeros((self.num_ssms, max_rows + 1, len(self.chain_depths)))
-        for i, per_batch in enumerate(self.chain_seconds):
+        measured = self.compiled_chain_seconds if compiled and self.has_compiled_chain_costs else None
+        for i, per_batch in enumerate(measured or self.chain_seconds):
             per_batch = np.asarray(per_batch, float)  # [batch, depth]
             for j in range(per_batch.shape[1]):
                 table[i, 1:, j] = extrapolated(rows, self.batch_sizes, per_batch[:, j])

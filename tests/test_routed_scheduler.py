@@ -300,3 +300,24 @@ def test_the_oracle_predicts_exactly_what_greedy_verification_accepts(
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
     assert len(steps) > 3 and all(predicted == accepted for predicted, accepted in steps)
     assert len(scheduler.router.known) == 1  # one prompt: one greedy output generated
+
+
+def test_a_compiled_decoder_takes_the_compiled_chain_costs() -> None:
+    """A profile measured with --compile holds the chain tables of both loops; the router takes
+    the compiled ones when told the loop is compiled, else (or without them) the eager ones."""
+    verify = [[1e-3, 1.3e-3, 2e-3], [2e-3, 2.8e-3, 5e-3]]
+    draft = [[[0.2e-3, 0.7e-3], [0.3e-3, 1.1e-3]]]
+    cost = chain_costs(verify, draft)
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2]), cost)
+    router.costs_on_compiled_loop(True)
+    assert not router.compiled  # no compiled tables: the eager ones
+    faster = copy.deepcopy(cost)
+    faster.compiled_chain_verify_seconds = [[t / 2 for t in row] for row in verify]
+    faster.compiled_chain_seconds = [[[t / 4 for t in row] for row in ssm] for ssm in draft]
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2]), faster)
+    eager = router._costs(1)
+    router.costs_on_compiled_loop(True)
+    compiled = router._costs(1)
+    assert router.compiled
+    np.testing.assert_allclose(compiled[0], eager[0] / 2)
+    np.testing.assert_allclose(compiled[1], eager[1] / 4)

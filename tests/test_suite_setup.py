@@ -45,7 +45,7 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     assert str(tmp_path / "reference-llm" / "small") in reference.argv  # shared with make reference-llm
     cache = tmp_path / "bench-fixture" / "small"
     assert all(cache in s.output.parents for s in steps[1:])
-    assert steps[6].argv[-2:] == ("--threads", "2")  # profiled under the suite's threads
+    assert steps[6].argv[-3:] == ("--threads", "2", "--compile")  # under the suite's threads, both loops
     rebuilt = fixture_steps("small", tmp_path, threads=2, build_threads=3)
     for before, after in zip(steps, rebuilt, strict=True):
         assert before.argv == after.argv  # training threads change speed only: same identity
@@ -235,7 +235,7 @@ RECORDED_ARGV = {
     ],
     "profile": [
         *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm", *SSMS),
-        *("--out", f"{SMALL}/pool/hardware_profile.json", "--threads", "1"),
+        *("--out", f"{SMALL}/pool/hardware_profile.json", "--threads", "1", "--compile"),
     ],
     "sequoia-acceptance": [
         *("specboost.training.sequoia_trees", "--llm", LLM, "--ssm", *SSMS),
@@ -272,7 +272,7 @@ RECORDED_ARGV = {
     "profile-sampled": [
         *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm"),
         *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
-        *("--out", f"{SMALL}/pool-sampled/hardware_profile.json", "--threads", "1"),
+        *("--out", f"{SMALL}/pool-sampled/hardware_profile.json", "--threads", "1", "--compile"),
     ],
     "export-sampled": [
         *("specboost.training.export", "--boost", f"{SMALL}/pool-sampled"),

@@ -168,12 +168,12 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         ]
 
     def profile(boosted: Path, models: list[str]) -> tuple[str, ...]:
-        """`specboost profile` of these SSMs beside the LLM, measured at the suite's thread count."""
+        """`specboost profile` of these SSMs beside the LLM, measured at the suite's thread count,
+        eager and compiled (the suite has compiled learned rows)."""
         out = str(boosted / PROFILE_FILE)
         return (
             *_module("decoder.cli", "profile", "--llm", llm, "--ssm", *models, "--out", out),
-            "--threads",
-            t,
+            *("--threads", t, "--compile"),
         )
 
     sequoia = _module(
