@@ -26,13 +26,16 @@ forced.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 PROFILE_FILE = "hardware_profile.json"
 FORMAT_VERSION = 1
@@ -178,6 +181,18 @@ def _read(path: Path) -> dict:
     return data
 
 
+def _from_entry(entry: dict, path: Path) -> CostModel:
+    """A profile entry as a `CostModel`; fields this specboost does not know (a newer one measured
+    more) are left out with a warning rather than refused: what it knows is still this machine's."""
+    known = {f.name for f in fields(CostModel)}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        logger.warning(
+            "%s: ignoring profile fields this specboost does not know: %s", path, ", ".join(unknown)
+        )
+    return CostModel(**{k: v for k, v in entry.items() if k in known})
+
+
 def load_cost_model(path: str | Path, key: str, force: bool = False) -> CostModel:
     """This device's cost model from the profile file; a profile of another device only when forced
     (then the file's first entry)."""
@@ -186,9 +201,9 @@ def load_cost_model(path: str | Path, key: str, force: bool = False) -> CostMode
         raise FileNotFoundError(f"no hardware profile at {path}: measure one with `specboost profile`")
     profiles = _read(path)["profiles"]
     if key in profiles:
-        return CostModel(**profiles[key])
+        return _from_entry(profiles[key], path)
     if force and profiles:
-        return CostModel(**next(iter(profiles.values())))
+        return _from_entry(next(iter(profiles.values())), path)
     raise ValueError(
         f"{path} holds latencies measured on {', '.join(profiles) or 'no device'}, not on this machine "
         f"({key}); run with the thread count it was measured at (torch.set_num_threads, --threads) if "

@@ -619,3 +619,15 @@ def test_one_draft_updates_as_the_vectorized_rule(ssm, depth, matched, cap, pred
     many.observe(*draft, fast=False)
     np.testing.assert_allclose(one.accepted, many.accepted)
     np.testing.assert_allclose(one.predicted, many.predicted)
+
+
+def test_a_profile_from_a_newer_specboost_loads_without_its_new_fields(tmp_path: Path, caplog) -> None:
+    """Fields a newer specboost measured are left out with a warning, not a TypeError."""
+    path = tmp_path / "hardware_profile.json"
+    cost = cost_table(1, [1.0] * 5, {"1,1": 0.1})
+    save_cost_model(cost, path)
+    data = json.loads(path.read_text())
+    data["profiles"][cost.device]["measured_by_a_newer_version"] = [1, 2]
+    path.write_text(json.dumps(data))
+    assert load_cost_model(path, cost.device) == cost
+    assert "measured_by_a_newer_version" in caplog.text
