@@ -221,7 +221,10 @@ def chain_runs(
         target.feed_chains([prefix[:-1]] * rows, eager=True)
         for nodes in config.chain_nodes:
             chains = ChainDraft(
-                [prefix[-1]] * rows, torch.zeros(rows, nodes - 1, dtype=torch.long), [nodes - 1] * rows, 0
+                [prefix[-1]] * rows,
+                torch.zeros(rows, nodes - 1, dtype=torch.long, device=llm.device),
+                [nodes - 1] * rows,
+                0,
             )
             runs[f"{tag}verify {rows}x{nodes}"] = functools.partial(
                 _verify_chains, target, chains.batch(), len(prefix)

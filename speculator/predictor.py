@@ -103,13 +103,13 @@ class MatchLengthPredictor(nn.Module):
         cap = self.max_length.repeat(len(self.config.widths))  # [widths * depths], b major
         ssms = self.config.num_ssms
 
-        def predict_one(hidden: torch.Tensor) -> torch.Tensor:
+        def predict_states(hidden: torch.Tensor) -> torch.Tensor:
             x = F.relu(F.linear(hidden.to(w1.dtype), w1, b1))
             x = F.relu(F.linear(x, w2, b2))
             out = F.linear(x, w3, b3).unflatten(-1, (ssms, -1))
             return torch.minimum(out.clamp_(min=0), cap)
 
-        return predict_one
+        return predict_states
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Weights first, then the config that `has_predictor` looks for; each file is written to a

@@ -14,6 +14,7 @@ from conftest import noisy_copy, tiny_llama
 from transformers import PreTrainedModel
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
+from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import PassShape
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
@@ -176,3 +177,23 @@ def generate_after_warmup(dec: SpeculativeDecoder) -> list[dict]:
         reports.append(out.stats.strategy)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     return reports
+
+
+@pytest.mark.slow
+def test_profile_measures_the_chain_tables_on_the_compiled_loop() -> None:
+    """`specboost profile --compile`: the chain tables of the compiled loop too, which a compiled
+    decoder's router then takes (ALGORITHMS.md 5.3)."""
+    llm, ssms, predictor = two_ssms_and_a_random_predictor(bias=0.7)
+    config = ProfileConfig(
+        (1, 2), (1, 2), (1, 4), prefix_length=8, repeats=1, batch_sizes=(1, 2), compile=True
+    )
+    cost = profile(llm, ssms, config, show_progress=False)
+    assert cost.has_compiled_chain_costs
+    assert (
+        len(cost.compiled_chain_seconds) == 2
+        and min(min(row) for row in cost.compiled_chain_verify_seconds) > 0
+    )
+    decoder = SpeculativeDecoder(
+        llm, ssms, strategy="learned", predictor=predictor, cost_model=cost, compile=True
+    )
+    assert decoder.speculator.router.compiled

@@ -13,8 +13,10 @@ import torch
 from conftest import noisy_copy, tiny_llama
 from test_generation_options import generate_distribution
 from test_sampling_lossless import ALPHA, gof_pvalue, marginal, spread
+from test_scheduler import DEPTHS, FAVOURS_SSM_0, SPECULATE, VERIFY, WIDTHS, constant_predictor, cost_table
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, StrategyOptions, TopologyShape
+from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.sequoia_acceptance import AcceptanceVector
 
 pytestmark = [
@@ -33,6 +35,12 @@ CONFIGS = {
     "pruned": dict(shape=BeamShape(2, 3), strategy="pruned"),
     "sequoia": dict(strategy="sequoia", strategy_options=SEQUOIA),
     "minions": dict(shape=ChainShape(3), length_controller="minions"),
+    # The routed scheduler (ALGORITHMS.md 5.3) on a made-up profile that makes drafting pay.
+    "learned": dict(
+        strategy="learned",
+        predictor=constant_predictor(FAVOURS_SSM_0),
+        cost_model=cost_table(2, VERIFY, SPECULATE),
+    ),
 }
 PROMPTS = [[3, 17, 42, 8, 8, 51, 23, 9, 30], [12, 5, 60]]
 
@@ -107,3 +115,16 @@ def test_sampling_keeps_the_distribution_on_cuda(case: str) -> None:
         counts[tuple(out.sequences[0, len(SAMPLE_PROMPT) :].tolist())] += 1
     exact = generate_distribution(options, 2, llm, SAMPLE_PROMPT)
     assert gof_pvalue(marginal(counts, 2), exact) >= ALPHA
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_profile_measures_the_chain_tables_on_cuda(compiled: bool) -> None:
+    """The routed scheduler's chain tables (section 5.3) are measured with tensors on the models'
+    device, eager and with CUDA graphs."""
+    llm, ssms = greedy_models()
+    config = ProfileConfig(
+        WIDTHS, DEPTHS, (1, 4), prefix_length=8, repeats=1, batch_sizes=(1, 2), compile=compiled
+    )
+    cost = profile(llm, ssms, config, show_progress=False)
+    assert cost.has_chain_costs and cost.has_compiled_chain_costs == compiled
+    assert min(min(row) for row in cost.chain_verify_seconds) > 0
