@@ -18,14 +18,22 @@ THREADS ?=
 # distill: the LLM writes continuations of the prompt set's train split (resumable; rerun to resume),
 # with the top-64 of its next-token distribution at every output token (--top-k-probs K; 0: off).
 # Sampled data: DISTILL_FLAGS="--do-sample --temperature 0.8 --num-samples 4 ..." (one row per sample).
+# Several domains: DISTILL_PROMPTS=SET[:N],SET[:N],... (bundled names or files, no spaces; N: at most
+# N train prompts of that set): each set split into train / held-out by itself, the train splits
+# mixed, every row's set in the column `source`. Into ARTIFACTS/distill/<name>: the set's name or
+# file stem, for a list the names joined with "+" without the caps (e.g. tinystories_openings+gsm8k).
 DISTILL_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
 DISTILL_PROMPTS ?= tinystories_openings
+# $(call distill_name,PROMPTS): that folder name (what `distill` without --out names it, too)
+comma := ,
+space := $(subst ,, )
+distill_name = $(subst $(space),+,$(foreach set,$(subst $(comma),$(space),$(1)),$(basename $(notdir $(firstword $(subst :,$(space),$(set)))))))
 DISTILL_FLAGS ?= --max-new-tokens 64 --batch-size 16
 # boost: collective boost-tuning of an SSM pool on the distilled data (resumable; rerun to resume).
 # BOOST_FLAGS="--loss ce|kl|tv|mix --boost-mode greedy|sampled ...": kl / tv / mix and the sampled
 # mode train on the distributions distill stored (ALGORITHMS.md section 15).
 BOOST_LLM ?= $(ARTIFACTS)/reference-llm/tiny/model
-BOOST_DISTILLED ?= $(ARTIFACTS)/distill/tinystories_openings
+BOOST_DISTILLED ?= $(ARTIFACTS)/distill/$(call distill_name,$(DISTILL_PROMPTS))
 BOOST_OUT ?= $(ARTIFACTS)/pool
 BOOST_FLAGS ?=
 # export: the boost run's pool as a hub-style folder; HUB_REPO=ORG/NAME also pushes it (needs `hf auth login`).
@@ -37,7 +45,7 @@ HUB_REPO ?=
 SCHED_LLM ?= $(BOOST_LLM)
 SCHED_POOL ?= $(BOOST_OUT)
 SCHED_PROMPTS ?= gutenberg_openings
-SCHED_DISTILLED ?= $(ARTIFACTS)/distill/$(SCHED_PROMPTS)
+SCHED_DISTILLED ?= $(ARTIFACTS)/distill/$(call distill_name,$(SCHED_PROMPTS))
 PREDICTOR_DATA ?= $(ARTIFACTS)/predictor-data
 PREDICTOR_DATA_FLAGS ?= --threads 1
 SCHED_EVAL_FLAGS ?= --max-prompts 8 --max-new-tokens 64 --repeats 3 --threads 1
@@ -45,8 +53,17 @@ SCHED_EVAL_FLAGS ?= --max-prompts 8 --max-new-tokens 64 --repeats 3 --threads 1
 # `specboost bench --suite demo` on the exported pool: every single-file bench row plus Sequoia and
 # the learned scheduler, greedy, on 8 held-out Gutenberg openings (books kept out of the corpus,
 # prompts kept out of the predictor's labels). Report in ARTIFACTS/demo-bench.
+# The pool learns from a mix of domains, 180 train prompts as one set's train split gave before:
+# stories, instructions, factoid questions and math (whose wrong answers the tiny LLM's data keeps:
+# it cannot do the math, and the SSMs are to predict what it writes).
 DEMO_LLM := $(ARTIFACTS)/reference-llm/tiny/model
-DEMO_BOOST_FLAGS ?= --max-steps 400
+DEMO_PROMPTS ?= tinystories_openings:60,self_instruct_seed:40,eagle_qa:40,gsm8k:40
+DEMO_DISTILL_FLAGS ?= $(DISTILL_FLAGS) --keep-wrong-answers
+DEMO_DISTILLED = $(ARTIFACTS)/distill/$(call distill_name,$(DEMO_PROMPTS))
+# A pool of specialists (ALGORITHMS.md 4.1): the 3 SSMs split the mix among themselves by EM, each
+# SSM's 400 steps spread over 2 rounds, the same 1200 steps as greedy boosting; EM adds only the
+# E-steps' scoring passes (each tiny SSM over the ~160 training samples, once per round).
+DEMO_BOOST_FLAGS ?= --max-steps 400 --boost-mode specialists --em-rounds 2
 DEMO_BENCH_FLAGS ?= --max-new-tokens 64 --repeats 3 --warmup 1 --threads 1
 # check-deepspeed: DeepSpeed (the optional `deepspeed` extra) lives in its own venv, never in .venv or CI's.
 DS_VENV  := .venv-deepspeed
@@ -108,9 +125,10 @@ bench-decoder: $(STAMP)
 		--out $(ARTIFACTS)/bench-decoder
 
 # Benchmark suite: training/bench_fixture.py builds (or reuses) the fixture in
-# ARTIFACTS/bench-fixture/<fixture> (reference LLM, distilled data, boosted pool, predictor, hardware
-# profile, Sequoia acceptance, export; then a pool boosted for sampling, which serves the sampled
-# rows), then `specboost bench --suite` runs every method on the bundled held-out workloads;
+# ARTIFACTS/bench-fixture/<fixture> (reference LLM, a mix of domains distilled, a pool of
+# specialists, predictor, hardware profile, Sequoia acceptance, export; then a generalist SSM on the
+# same data and steps, which serves the `generalist` rows; then a pool boosted for sampling, which
+# serves the sampled rows), then `specboost bench --suite` runs every method on the bundled held-out workloads;
 # report.md, suite.json and plots go to ARTIFACTS/bench-suite/<fixture>.
 # SUITE=quick: the tiny fixture (minutes); FIXTURE=tiny|small overrides the suite's fixture;
 # SUITE_FLAGS="--readme README.md" also writes the full results into docs/results.md and the headline
@@ -129,10 +147,10 @@ reference-llm: $(STAMP)
 	$(BIN)/python -m specboost.training.reference_llm --preset $(PRESET) --out $(OUT) $(if $(THREADS),--threads $(THREADS))
 
 # Needs the LLM first: `make reference-llm` (the default DISTILL_LLM) or DISTILL_LLM=PATH.
-# Into ARTIFACTS/distill/<DISTILL_PROMPTS' name, or its file's stem>.
+# Into ARTIFACTS/distill/$(call distill_name,DISTILL_PROMPTS) (see DISTILL_PROMPTS above).
 distill: $(STAMP)
 	$(BIN)/python -m specboost.training.distill --llm $(DISTILL_LLM) --prompts $(DISTILL_PROMPTS) \
-		--out $(ARTIFACTS)/distill/$(basename $(notdir $(DISTILL_PROMPTS))) $(DISTILL_FLAGS)
+		--out $(ARTIFACTS)/distill/$(call distill_name,$(DISTILL_PROMPTS)) $(DISTILL_FLAGS)
 
 # Needs a finished boost run in EXPORT_BOOST (ssm-i/ + boost_record.json).
 export: $(STAMP)
@@ -214,12 +232,12 @@ serve: $(STAMP)
 # it) -> tokens/step and speedup of every method vs the LLM alone (and HF assisted generation).
 demo: $(STAMP)
 	$(MAKE) reference-llm PRESET=tiny
-	$(MAKE) distill DISTILL_LLM=$(DEMO_LLM)
-	$(MAKE) boost BOOST_LLM=$(DEMO_LLM) BOOST_FLAGS="$(DEMO_BOOST_FLAGS)"
+	$(MAKE) distill DISTILL_LLM=$(DEMO_LLM) DISTILL_PROMPTS=$(DEMO_PROMPTS) DISTILL_FLAGS="$(DEMO_DISTILL_FLAGS)"
+	$(MAKE) boost BOOST_LLM=$(DEMO_LLM) BOOST_DISTILLED=$(DEMO_DISTILLED) BOOST_FLAGS="$(DEMO_BOOST_FLAGS)"
 	$(MAKE) predictor-data SCHED_LLM=$(DEMO_LLM)
 	$(MAKE) predictor
 	$(MAKE) profile SCHED_LLM=$(DEMO_LLM)
-	$(MAKE) sequoia-acceptance BOOST_LLM=$(DEMO_LLM)
+	$(MAKE) sequoia-acceptance BOOST_LLM=$(DEMO_LLM) BOOST_DISTILLED=$(DEMO_DISTILLED)
 	$(MAKE) export EXPORT_BOOST=$(BOOST_OUT)
 	$(BIN)/specboost bench --suite demo --llm $(DEMO_LLM) --pool $(EXPORT_OUT) $(DEMO_BENCH_FLAGS) \
 		--out $(ARTIFACTS)/demo-bench

@@ -6,7 +6,8 @@ predictor in one call, then the batch rule: the length, the SSMs that draft, K =
 the whole batch), then each chosen SSM drafts the chains of its rows in one `BatchedChainDrafter`
 pass per chain position. Greedy rows' chains stay on the device until the verifier reads them back
 with its verdicts; a group with sampled rows (or logits processors) gets host trees, verified by
-the rows' own rules (the target rule under sampling: the chains are argmax drafts).
+the rows' own rules: chains sampled from the SSM for rows verified by MSS (or k-sequential
+selection), argmax chains for the rest (seeded rows: the target rule).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing
 from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
+
+SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that read the drafts' q
 
 
 class RoutedDrafting:
@@ -46,8 +49,10 @@ class RoutedDrafting:
     ) -> list[TokenTree] | ChainDraft:
         """The routed chains of every row; `lengths` (a batch length controller's) do not apply:
         the router chooses the length."""
+        texts = [row.tokens for row in rows]
+        self.chains.warm(texts)
         start = time.perf_counter()
-        hidden, texts = [row.hidden for row in rows], [row.tokens for row in rows]
+        hidden = [row.hidden for row in rows]
         plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts)
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
         for b, record in enumerate(self.records):
@@ -59,9 +64,12 @@ class RoutedDrafting:
                 return self.chains.nothing(texts)
             return [TokenTree.root_only(row.tokens[-1], DraftKind.GREEDY) for row in rows]
         start = time.perf_counter()
-        drafted = self.chains.draft(texts, plan)
-        if not greedy:
-            drafted = drafted.trees(drafted.tokens.tolist())  # the rows' own rules verify host trees
+        drafted: list[TokenTree] | ChainDraft
+        if greedy:
+            drafted = self.chains.draft(texts, plan)
+        else:
+            sample = [row.rule in SAMPLED_DRAFT_RULES for row in rows]
+            drafted = self.chains.draft_trees(texts, plan, [row.probs for row in rows], sample)
         self._drafting = time.perf_counter() - start
         return drafted
 

@@ -106,11 +106,11 @@ class SequenceState:
         return depth
 
 
-def sequence_rule(decoder: DecoderParts, do_sample: bool) -> Rule:
-    """The verification rule for a sequence, chosen and checked by the decoder's verifier; a
-    ValueError says what to change when the combination is not lossless."""
+def sequence_rule(decoder: DecoderParts, do_sample: bool, seeded: bool = False) -> Rule:
+    """The verification rule for a sequence (`seeded`: it has a seed), chosen and checked by the
+    decoder's verifier; a ValueError says what to change when the combination is not lossless."""
     speculator = decoder.speculator
-    return decoder.verifier.check(speculator.tree_kind(do_sample), do_sample, speculator.num_ssms)
+    return decoder.verifier.check(speculator.tree_kind(do_sample, seeded), do_sample, speculator.num_ssms)
 
 
 def new_sequence(
@@ -130,7 +130,7 @@ def new_sequence(
     ids = torch.tensor([prompt], dtype=torch.long, device=decoder.llm.device)
     settings = resolve(decoder.llm, generation_config, options, ids)
     decoder.temperature_notice.check(settings.sampling)
-    rule = sequence_rule(decoder, settings.sampling.do_sample)
+    rule = sequence_rule(decoder, settings.sampling.do_sample, seed is not None)
     stop = StopCriteria(
         settings.max_new_tokens,
         settings.eos_token_ids,

@@ -114,10 +114,14 @@ class BatchedChainDrafter:
         lengths: list[int],
         probs: list[LogitsToProbs],
         generators: list[torch.Generator | None],
+        sample: list[bool] | None = None,
     ) -> list[Chain]:
         """A chain of `lengths[b]` tokens after `verified[b]` for every row b (fewer past the SSM's
-        context; a row with length 0 drafts nothing and keeps its cache as it is)."""
+        context; a row with length 0 drafts nothing and keeps its cache as it is), sampled where
+        `sample[b]` (default: where row b samples), else the argmax of its processed scores."""
         self._read_back()
+        if sample is None:
+            sample = [p.config.do_sample for p in probs]
         if self.max_positions is not None:
             lengths = [min(n, self.max_positions - len(v)) for n, v in zip(lengths, verified, strict=True)]
         chains: list[Chain] = [[] for _ in verified]
@@ -134,7 +138,7 @@ class BatchedChainDrafter:
             greedy = scores.argmax(-1).tolist()
             for b, chain in enumerate(chains):
                 if step < lengths[b]:
-                    chain.append(_choose(scores[b], greedy[b], probs[b], generators[b]))
+                    chain.append(_choose(scores[b], greedy[b], sample[b], generators[b]))
             # The last token of a chain is never fed: the next draft starts from the verified tokens.
             feeds = [[chain[-1][0]] if step + 1 < n else [] for chain, n in zip(chains, lengths, strict=True)]
             if any(feeds):
@@ -176,11 +180,11 @@ def _row_scores(
 
 
 def _choose(
-    scores: torch.Tensor, greedy: int, probs: LogitsToProbs, generator: torch.Generator | None
+    scores: torch.Tensor, greedy: int, sample: bool, generator: torch.Generator | None
 ) -> tuple[int, torch.Tensor | None]:
     """The next chain token, as `SSMDrafter` picks it: argmax of the processed scores [V], or a
     sample from q = softmax(scores) (kept for MSS)."""
-    if not probs.config.do_sample:
+    if not sample:
         return greedy, None
     q = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(q, 1, generator=generator)), q

@@ -232,6 +232,25 @@ class TreeCache:
         self.pending += nodes
         return FedOutput(logits[:b, :n], None if hidden is None else hidden[:b, :n])
 
+    @torch.no_grad()
+    def warm_for(self, positions: int) -> None:
+        """A compiled cache: grow now to hold `positions` per row, and have every expected pass
+        compiled at its rows and capacity (`_warm`). A cache whose growth follows the text, not the
+        passes it happens to run, meets the same shapes whichever passes it runs: the routed
+        scheduler's drafters (ALGORITHMS.md 5.3) draft on the steps their SSM is chosen, which
+        differ between a warm-up and a timed run of the same prompts. An eager cache: nothing
+        (it grows when a pass needs it)."""
+        if self.compiled is None or not self.rows:
+            return
+        positions = min(positions, max_capacity(self.model))
+        if positions > self.capacity:
+            self._grow(positions)
+        if not self.initialized:  # allocate the K/V tensors with one eager pass, as a first pass does
+            self._dummy_pass(
+                tree_pass, 1, 1, False, self._counts(self.physical_rows, self.width + self.pending)
+            )
+        self._warm()
+
     def _warm(self) -> None:
         """Compile the compiled call's expected shapes at this cache's rows and capacity, the first
         time any cache of them meets it (`CompiledPass`). The passes write their K/V past the fed
@@ -244,15 +263,21 @@ class TreeCache:
         start = self.width + self.pending
         counts = self._counts(rows, start)
         for nodes, keys, hidden in sorted(call.expected):
-            if start + nodes > self.capacity:
-                continue
-            # Inputs like a real pass's: distinct, contiguous tensors (the graphs guard on both).
-            tokens = torch.zeros(rows, nodes, dtype=torch.long, device=self.device)
-            positions = torch.zeros_like(tokens)
-            visible = torch.eye(nodes, keys, dtype=torch.bool, device=self.device).repeat(rows, 1, 1)
-            fed = torch.zeros(rows, keys, dtype=torch.long, device=self.device)
-            args = (tokens, positions, visible, fed, counts, self.layout, self.dtype, hidden)
-            call(self.model, self.cache, *args)
+            if start + nodes <= self.capacity:
+                self._dummy_pass(call, nodes, keys, hidden, counts)
+
+    def _dummy_pass(
+        self, run: Callable[..., object], nodes: int, keys: int, hidden: bool, counts: torch.Tensor
+    ) -> None:
+        """A pass of `nodes` nodes seeing `keys` fed ones whose K/V land past the fed nodes (where the
+        next real pass writes its own), with inputs like a real pass's: distinct, contiguous tensors
+        (the graphs guard on both)."""
+        rows = self.physical_rows
+        tokens = torch.zeros(rows, nodes, dtype=torch.long, device=self.device)
+        positions = torch.zeros_like(tokens)
+        visible = torch.eye(nodes, keys, dtype=torch.bool, device=self.device).repeat(rows, 1, 1)
+        fed = torch.zeros(rows, keys, dtype=torch.long, device=self.device)
+        run(self.model, self.cache, tokens, positions, visible, fed, counts, self.layout, self.dtype, hidden)
 
     def _counts(self, rows: int, start: int) -> torch.Tensor:
         """[rows + 2] a pass's `counts`: row lengths (padding rows: 0), where the new K/V are

@@ -265,7 +265,7 @@ class MajoritySpeculator(WeightedPoolSpeculator):
         super().__init__(ssms, ChainShape(length), length_controller, config, weights)
         self.voted: list[list[int]] = []  # per step of the last generate: the voted SSMs
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return DraftKind.GREEDY
 
     def reset(self, seed: int | None) -> None:
@@ -326,7 +326,7 @@ class PrunedPoolSpeculator(WeightedPoolSpeculator):
         self.cost_model = cost_model
         self.kept: list[int] = []  # drafted nodes kept per step of the last generate
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         kind = super().tree_kind(do_sample)
         several = self.num_ssms > 1 or getattr(self.shape, "samples", 1) > 1  # chains compared
         return DraftKind.SELECTED if kind is DraftKind.SAMPLED and several else kind

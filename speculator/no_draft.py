@@ -17,7 +17,7 @@ class NoDraftSpeculator:
     num_ssms = 0
     wants_hidden = False
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return DraftKind.GREEDY  # no children: every lossless rule reduces to plain decoding
 
     def reset(self, seed: int | None) -> None:

@@ -58,9 +58,8 @@ class OracleRouter(ChainRouter):
 
     @torch.no_grad()
     def _learn(self, prompt: list[int]) -> np.ndarray:
-        """Generate the prompt's greedy output (LOOKAHEAD tokens, or to the context's end) and count, per
-        SSM and position p, the consecutive positions from p where the SSM's argmax after the
-        output's prefix is the output's next token."""
+        """Generate the prompt's greedy output (LOOKAHEAD tokens, or to the context's end) and its
+        `agreement_runs`."""
         device = self.llm.device
         ids = torch.tensor([prompt], device=device)
         new = min(LOOKAHEAD, (context_length(self.llm) or len(prompt) + LOOKAHEAD) - len(prompt))
@@ -68,12 +67,23 @@ class OracleRouter(ChainRouter):
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new
         )
         output = output[0].tolist()
-        runs = np.zeros((len(self.ssms), len(output) + 1), dtype=np.int64)
-        reference = torch.tensor(output, device=device)
-        for i, ssm in enumerate(self.ssms):
-            argmax = ssm(reference[None]).logits[0].float().argmax(-1)  # [L]: predicts token p + 1
-            agrees = (argmax[:-1] == reference[1:]).cpu().numpy()  # [L - 1]: position p -> p + 1
-            for p in range(len(agrees) - 1, -1, -1):  # runs[p]: agreements from the chain at p on
-                runs[i, p] = runs[i, p + 1] + 1 if agrees[p] else 0
+        runs = agreement_runs(self.ssms, torch.tensor(output, device=device))
         self.known[tuple(prompt)] = self._last = (output, runs)
         return runs
+
+
+@torch.no_grad()
+def agreement_runs(ssms: list[PreTrainedModel], reference: torch.Tensor) -> np.ndarray:
+    """[S, L + 1]: per SSM i and position p of `reference` [L] (a text the LLM generated
+    greedily), the consecutive positions from p on where SSM i's argmax after reference[: q + 1]
+    is reference[q + 1]: the true match length of SSM i's argmax chain drafted after
+    reference[: p + 1], before any cap on the chain's length (one teacher-forced pass per SSM;
+    0 at the last position and at L). Shared by the oracle and the suite's pool diversity
+    (decoder/bench/diversity.py)."""
+    runs = np.zeros((len(ssms), len(reference) + 1), dtype=np.int64)
+    for i, ssm in enumerate(ssms):
+        argmax = ssm(reference[None]).logits[0].float().argmax(-1)  # [L]: predicts token p + 1
+        agrees = (argmax[:-1] == reference[1:]).cpu().numpy()  # [L - 1]: position p -> p + 1
+        for p in range(len(agrees) - 1, -1, -1):  # runs[p]: agreements from the chain at p on
+            runs[i, p] = runs[i, p + 1] + 1 if agrees[p] else 0
+    return runs

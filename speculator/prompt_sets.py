@@ -22,6 +22,7 @@ Example (a bundled set; data/README.md lists them all):
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import json
 import logging
@@ -406,6 +407,24 @@ def bundled_source(
     file, fields = BUNDLED_PROMPT_SETS[name]
     folder = Path(data_dir) if data_dir is not None else BUNDLED_PROMPTS_DIR
     return PromptSource(str(folder / file), **{**fields, **overrides})
+
+
+def named_source(name_or_path: str, **overrides: Any) -> PromptSource:
+    """A bundled set by name, else a local file / folder or a hub dataset id ("ORG/NAME").
+
+    A bare word that is none of these (a misspelt bundled name, most likely) is refused here with
+    the bundled names and the closest one, rather than failing later as an unreachable hub dataset.
+    """
+    if name_or_path in BUNDLED_PROMPT_SETS:
+        return bundled_source(name_or_path, **overrides)
+    if not (Path(name_or_path).expanduser().exists() or _looks_local(name_or_path) or "/" in name_or_path):
+        close = difflib.get_close_matches(name_or_path, BUNDLED_PROMPT_SETS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown prompt set {name_or_path!r}{hint}: not a bundled set "
+            f"({', '.join(BUNDLED_PROMPT_SETS)}), an existing file or a hub dataset id (ORG/NAME)"
+        )
+    return PromptSource(name_or_path, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------

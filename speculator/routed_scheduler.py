@@ -4,9 +4,12 @@ costs of the hardware profile. The learned scheduler's default action space (`st
 
 Drafting is the fast chain drafter's (`BatchedChainDrafter`, one per SSM, each SSM on its own
 cache): a chain costs what a fixed chain of that SSM costs, and an SSM that sat steps out catches
-up in one pass when it is chosen again. The drafts are argmax chains, deterministic given the text,
-so every verification rule for them is lossless: greedy, or under sampling the target rule
-(sample from the LLM, accept the equal child).
+up in one pass when it is chosen again. Greedy decoding drafts argmax chains. Under sampling a
+chain is sampled from the SSM and verified by MSS, which accepts far more of it than the target
+rule accepts of an argmax chain (section 5.3, "Sampling"); except for a seeded sequence: which
+SSM drafts how far follows measured step times, which a seed does not fix, so its drafts are
+argmax chains verified by the target rule, whose one draw per emitted token leaves the text a
+function of the seed alone.
 
 A batch (`decoder/routed_drafting.py`) routes its rows together; this class is the strategy of
 one sequence (`propose`) and holds what the batches share: the models and the router, whose online
@@ -26,8 +29,9 @@ from transformers import PreTrainedModel
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.chain_router import ChainPlan, ChainRouter, DecisionPacing
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.kv_cache import CompiledPass
+from specboost.speculator.kv_cache import COMPILED_MAX_NODES, CompiledPass
 from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.scheduler import check_pool_size
 from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
@@ -52,10 +56,34 @@ class RoutedChains:
         for drafter in self.drafters:
             drafter.select(keep)
 
+    def warm(self, verified: list[list[int]]) -> None:
+        """Every compiled drafter grown with the text and its passes compiled at its rows and
+        capacity, whether or not it drafts this step (`TreeCache.warm_for`), so that a warm-up on
+        these prompts compiles all a timed run can meet, however differently it routes."""
+        positions = max(map(len, verified), default=0) + COMPILED_MAX_NODES  # a pass's nodes, padded
+        for drafter in self.drafters:
+            drafter.cache.warm_for(positions)
+
     def nothing(self, verified: list[list[int]]) -> ChainDraft:
         """Chains of no token for every row (a plain step)."""
         empty = torch.zeros(len(verified), 0, dtype=torch.long, device=self.drafters[0].model.device)
         return ChainDraft([v[-1] for v in verified], empty, [0] * len(verified), 0)
+
+    def draft_trees(
+        self, verified: list[list[int]], plan: ChainPlan, probs: list[LogitsToProbs], sample: list[bool]
+    ) -> list[TokenTree]:
+        """Every row's chain as a host tree: sampled, with its q (for MSS), where `sample[b]`, else
+        the argmax of the row's processed scores."""
+        kinds = [DraftKind.SAMPLED if s else DraftKind.GREEDY for s in sample]
+        trees = [TokenTree.root_only(v[-1], kind) for v, kind in zip(verified, kinds, strict=True)]
+        streams: list[torch.Generator | None] = [None] * len(verified)  # unseeded rows sample
+        for i in np.unique(plan.ssm[plan.ssm >= 0]).tolist():
+            mine = plan.ssm == i
+            lengths = [n if on else 0 for n, on in zip(plan.lengths, mine, strict=True)]
+            chains = self.drafters[i].draft(verified, lengths, probs, streams, sample)
+            for b in np.flatnonzero(mine).tolist():
+                trees[b].add_sequence([t for t, _ in chains[b]], i, [q for _, q in chains[b]])
+        return trees
 
     def draft(self, verified: list[list[int]], plan: ChainPlan) -> ChainDraft:
         """Every row's chain, on the device (rows drafting nothing: length 0)."""
@@ -76,7 +104,7 @@ class RoutedChains:
 
 
 class RoutedScheduler:
-    """A Speculator: per step plain decoding or one SSM's argmax chain (section 5.3)."""
+    """A Speculator: per step plain decoding or one SSM's chain (section 5.3)."""
 
     wants_hidden = True
 
@@ -99,10 +127,11 @@ class RoutedScheduler:
         """Start the online corrections afresh (a warm-up taught nothing about the workload)."""
         self.router.forget()
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
-        return DraftKind.GREEDY
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
+        return DraftKind.SAMPLED if do_sample and not seeded else DraftKind.GREEDY
 
     def reset(self, seed: int | None) -> None:
+        self._seeded = seed is not None
         self.chains = RoutedChains(self.models, self.compiler)
         self.chains.add(1)
         self.record = ActionRecord()
@@ -111,12 +140,18 @@ class RoutedScheduler:
         self._drafting = 0.0
 
     def propose(self, request: DraftRequest) -> TokenTree:
+        self.chains.warm([request.verified])
         start = time.perf_counter()
         self._plan = self.router.plan([request.hidden], [request.max_depth], self.pacing, [request.verified])
         self.record.decided(self._plan.action(0), time.perf_counter() - start)
         start = time.perf_counter()
-        drafted = self.chains.draft([request.verified], self._plan)
-        tree = drafted.trees(drafted.tokens.tolist())[0]
+        probs = request.probs
+        if probs.config.do_sample or probs.processors:
+            sample = probs.config.do_sample and not self._seeded
+            tree = self.chains.draft_trees([request.verified], self._plan, [probs], [sample])[0]
+        else:
+            drafted = self.chains.draft([request.verified], self._plan)
+            tree = drafted.trees(drafted.tokens.tolist())[0]
         self._drafting = time.perf_counter() - start
         return tree
 

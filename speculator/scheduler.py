@@ -335,7 +335,7 @@ class LearnedScheduler:
         self._max_option_depth = max(d for _, d in self.options[1:])
 
     # Speculator protocol -------------------------------------------------------------------------
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return DraftKind.BEAM
 
     def reset(self, seed: int | None) -> None:

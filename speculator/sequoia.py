@@ -57,7 +57,7 @@ class SequoiaSpeculator:
         cost model, else the expected tokens per step (F(T) of ALGORITHMS.md section 8)."""
         return self.choice.speedup if self.choice is not None else self.tree.expected_tokens
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return self.tree.shape.kind(do_sample)
 
     def reset(self, seed: int | None) -> None:

@@ -46,8 +46,11 @@ class Speculator(Protocol):
     num_ssms: int
     wants_hidden: bool  # whether `propose` needs `DraftRequest.hidden`
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
-        """The kind of tree `propose` returns, so the decoder can pick a lossless rule up front."""
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
+        """The kind of tree `propose` returns, so the decoder can pick a lossless rule up front.
+        `seeded`: the sequence has a seed, so its text must follow from the seed alone (drafts whose
+        randomness the seed does not fix, such as ones chosen by measured step times, must then be
+        verified by a rule whose draws do not depend on the draft)."""
 
     def reset(self, seed: int | None) -> None:
         """Forget all per-sequence state (caches); called at the start of every `generate`."""
@@ -93,7 +96,7 @@ class PoolSpeculator:
         self.wants_hidden = False
         self._generators: list[torch.Generator | None] = [None] * len(ssms)
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return self.shape.kind(do_sample)
 
     def reset(self, seed: int | None) -> None:

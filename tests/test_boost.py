@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -19,6 +20,7 @@ from transformers import (
 )
 
 from specboost.training import boost as boost_module
+from specboost.training import specialists as specialists_module
 from specboost.training import ssm_training
 from specboost.training.boost import boost, main
 from specboost.training.boost_config import BoostConfig
@@ -31,6 +33,7 @@ from specboost.training.boost_scoring import (
     sample_marked,
     span_marked,
 )
+from specboost.training.specialists import balance, initial_assignment, reassign
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = [f"w{i}" for i in range(28)]
@@ -73,8 +76,11 @@ def llm(tmp_path: Path) -> str:
     return str(folder)
 
 
-def write_distilled(folder: Path, rows: list[tuple[list[int], list[int]]]) -> str:
-    """A distill run folder by hand: data.parquet rows in distill's schema, all kept."""
+def write_distilled(
+    folder: Path, rows: list[tuple[list[int], list[int]]], sources: list[str] | None = None
+) -> str:
+    """A distill run folder by hand: data.parquet rows in distill's schema, all kept (with a
+    `source` column when `sources` are given)."""
     folder.mkdir(parents=True)
     table = [
         {
@@ -99,6 +105,10 @@ def write_distilled(folder: Path, rows: list[tuple[list[int], list[int]]]) -> st
             ("filter", pa.string()),
         ]
     )
+    if sources is not None:
+        for row, source in zip(table, sources, strict=True):
+            row["source"] = source
+        schema = schema.append(pa.field("source", pa.string()))
     pq.write_table(pa.Table.from_pylist(table, schema=schema), folder / "data.parquet")
     return str(folder)
 
@@ -330,3 +340,201 @@ def test_other_settings_are_refused_on_resume(llm: str, distilled: str, tmp_path
     boost(config(llm, distilled, num_ssms=1), tmp_path / "p")
     with pytest.raises(ValueError, match="other settings"):
         boost(config(llm, distilled, num_ssms=1, marking="span"), tmp_path / "p")
+
+
+# ---------------------------------------------------------------- specialists mode (ALGORITHMS.md 4.1)
+
+DOMAIN_A, DOMAIN_B = list(range(14, 23)), list(range(23, 32))  # the prompts' disjoint token ranges
+RING = list(range(4, 14))  # the tokens both domains' outputs run through
+
+
+def two_domains(count: int, seed: int = 2) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+    """Samples of two clearly different "domains", alternating. Their prompts use disjoint token
+    ranges; their outputs run through the same ring of tokens from a random start, A counting up
+    and B counting down, so that after the same token the two want different next tokens and a
+    small SSM serves one domain better when it trains on that domain alone."""
+    g = torch.Generator().manual_seed(seed)
+    rows, sources = [], []
+    for i in range(count):
+        domain, step = (DOMAIN_A, 1) if i % 2 == 0 else (DOMAIN_B, -1)
+        prompt = [1, *(domain[int(t)] for t in torch.randint(len(domain), (3,), generator=g))]
+        start = int(torch.randint(len(RING), (1,), generator=g))
+        output = [RING[(start + step * j) % len(RING)] for j in range(6)]
+        rows.append((prompt, output))
+        sources.append("a" if i % 2 == 0 else "b")
+    return rows, sources
+
+
+@pytest.fixture
+def domain_llm(tmp_path: Path) -> str:
+    """The tiny LLM, with input embeddings that know the prompts' two token ranges apart (as a
+    trained LLM's embeddings know topics apart): the clustering feature can then see them."""
+    folder = tmp_path / "domain-llm"
+    save_llama(folder, VOCAB)
+    save_tokenizer(folder, WORDS)
+    model = LlamaForCausalLM.from_pretrained(folder)
+    direction = torch.nn.functional.normalize(torch.randn(model.config.hidden_size), dim=0)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[DOMAIN_A] += 0.1 * direction
+        model.get_input_embeddings().weight[DOMAIN_B] -= 0.1 * direction
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def domains(tmp_path: Path) -> str:
+    rows, sources = two_domains(24)
+    return write_distilled(tmp_path / "domains", rows, sources)
+
+
+def specialists(llm: str, distilled: str, **kwargs) -> BoostConfig:
+    settings = {
+        "boost_mode": "specialists",
+        "em_rounds": 2,
+        "max_steps": 16,
+        "learning_rate": 2e-2,
+        "held_out_fraction": 0.2,
+    }
+    return config(llm, distilled, **{**settings, **kwargs})
+
+
+def domain_purity(out: Path, record: dict, round_index: int) -> float:
+    """The fraction of training samples whose member is their domain's majority member."""
+    assignment = np.load(out / f"round-{round_index}" / "assignment.npy")
+    held = set(record["held_out_ids"])
+    domain = np.array([i % 2 for i in range(24) if i not in held])
+    agree = float((assignment == domain).mean())
+    return max(agree, 1 - agree)
+
+
+def test_balance_guard_moves_the_smallest_margins_and_keeps_ties() -> None:
+    scores = np.array([[3.0, 0.0], [2.0, 1.9], [2.0, 0.5], [1.0, 0.2], [0.0, 0.0], [0.5, 0.0]])
+    current = np.array([1, 1, 1, 1, 1, 0])
+    assignment, moved = reassign(scores, current, min_count=2)
+    # rows 0-3 and 5 prefer member 0; the tie (row 4) stays where it is; member 1 is short by one and
+    # takes row 1, the sample that loses least (2.0 - 1.9) by moving
+    assert assignment.tolist() == [0, 1, 0, 0, 1, 0] and moved == 1
+    lopsided, moved = balance(np.zeros((9, 3)), np.zeros(9, dtype=np.int64), min_count=3)
+    assert np.bincount(lopsided, minlength=3).tolist() == [3, 3, 3] and moved == 6
+
+
+def test_initial_clusters_follow_the_feature() -> None:
+    g = np.random.default_rng(0)
+    one, other = np.array([5.0, 0, 0, 0]), np.array([0, -5.0, 0, 0])
+    features = np.concatenate([g.normal(0, 0.1, (10, 4)) + one, g.normal(0, 0.1, (4, 4)) + other])
+    assignment = initial_assignment(features, 2, seed=0, min_count=5)
+    assert len(set(assignment[10:])) == 1 and (assignment == assignment[10]).sum() == 5  # guard: 4 + 1
+    assert (initial_assignment(features, 2, seed=0, min_count=5) == assignment).all()  # seeded
+
+
+def test_specialists_split_two_domains(domain_llm: str, domains: str, tmp_path: Path) -> None:
+    out = tmp_path / "pool"
+    record = boost(specialists(domain_llm, domains), out)
+    assert record["boost_mode"] == "specialists" and record["marking"] is None
+    assert record["em"]["rounds"] == 2 and len(record["em"]["history"]) == 2
+    assert [r["steps"] for r in record["rounds"]] == [16, 16]  # the pool: 2 x max_steps in all
+    fewest = int(0.5 * (24 - len(record["held_out_ids"])) / 2)  # the balance guard's floor
+    for em_round in record["em"]["history"]:
+        assert [m["steps"] for m in em_round["members"]] == [8, 8]
+        assert sum(m["share"] for m in em_round["members"]) == pytest.approx(1)
+        for m in em_round["members"]:
+            assert {"own_mean_match_length", "held_out_mean_match_length", "pool_coverage"} <= set(m)
+            assert m["train_samples"] >= fewest and sum(m["source_shares"].values()) == pytest.approx(1)
+    for r in range(3):
+        assert domain_purity(out, record, r) == 1.0, r
+    final = record["em"]["history"][-1]["members"]
+    assert sorted(max(m["next_source_shares"].values()) for m in final) == [1.0, 1.0]
+    assert [r["path"] for r in record["rounds"]] == ["ssm-0", "ssm-1"]
+    assert (out / "round-0" / "ssm-0").is_dir() and (out / "coverage.png").stat().st_size > 0
+
+
+def test_em_repairs_a_mixed_start(
+    domain_llm: str, domains: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = set(split_held_out([{"id": i} for i in range(24)], 0.2, 0))
+    domain = np.array([i % 2 for i in range(24) if i not in held])
+
+    def mixed(features, members, seed, min_count):  # a third of each domain in the wrong member
+        start = domain.copy()
+        start[::3] = 1 - start[::3]
+        return start
+
+    monkeypatch.setattr(specialists_module, "initial_assignment", mixed)
+    out = tmp_path / "pool"
+    record = boost(specialists(domain_llm, domains), out)
+    assert domain_purity(out, record, 0) < 0.7
+    assert domain_purity(out, record, 2) == 1.0
+    assert record["em"]["history"][0]["reassigned"] > 0
+
+
+def test_specialists_resume_to_the_same_assignment(
+    domain_llm: str, domains: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = specialists(domain_llm, domains)
+    reference = boost(cfg, tmp_path / "reference")
+    real_train = specialists_module.train_round
+    calls: list[int] = []
+    kill = [True]
+
+    def dying_train(cfg, i, *args, **kwargs):
+        calls.append(i)
+        if i == 3 and kill and kill.pop():  # EM round 1, member 1 (seed index 1 x 2 + 1)
+            raise SimulatedKill("killed in the second EM round")
+        return real_train(cfg, i, *args, **kwargs)
+
+    monkeypatch.setattr(specialists_module, "train_round", dying_train)
+    out = tmp_path / "pool"
+    with pytest.raises(SimulatedKill):
+        boost(cfg, out)
+    state = json.loads((out / "boost_state.json").read_text())
+    assert len(state["em"]["rounds"]) == 1 and len(state["em"]["members"]) == 1
+    calls.clear()
+    resumed = boost(cfg, out)
+    assert calls == [3]  # round 0 and round 1's member 0 were not trained again
+    for r in range(3):
+        got, want = (
+            np.load(folder / f"round-{r}" / "assignment.npy") for folder in (out, tmp_path / "reference")
+        )
+        assert (got == want).all(), r
+    for got, want in zip(resumed["em"]["history"], reference["em"]["history"], strict=True):
+        assert got["reassigned"] == want["reassigned"]
+        for got_member, want_member in zip(got["members"], want["members"], strict=True):
+            for key, value in want_member.items():
+                expected = pytest.approx(value, rel=1e-5) if isinstance(value, float) else value
+                assert got_member[key] == expected, key
+
+
+def test_specialists_settings_are_checked(llm: str, distilled: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_ssms >= 2"):
+        BoostConfig(llm="x", distilled="y", boost_mode="specialists", num_ssms=1)
+    with pytest.raises(ValueError, match="marking applies to boost_mode 'greedy' only"):
+        BoostConfig(llm="x", distilled="y", boost_mode="specialists", marking="span")
+    with pytest.raises(ValueError, match="em_rounds apply only to boost_mode 'specialists'"):
+        BoostConfig(llm="x", distilled="y", em_rounds=3)
+    with pytest.raises(ValueError, match="min_share must be in"):
+        BoostConfig(llm="x", distilled="y", boost_mode="specialists", min_share=0)
+    with pytest.raises(ValueError, match="em_feature must be one of"):
+        BoostConfig(llm="x", distilled="y", boost_mode="specialists", em_feature="labels")
+    greedy = BoostConfig(llm="x", distilled="y").identity()
+    assert not {"em_rounds", "em_feature", "min_share", "num_ssms", "boost_mode"} & set(
+        greedy
+    )  # old runs resume
+    assert {"em_rounds", "num_ssms", "boost_mode"} <= set(
+        BoostConfig(llm="x", distilled="y", boost_mode="specialists").identity()
+    )
+    with pytest.raises(ValueError, match="give max_steps >= em_rounds"):
+        boost(specialists(llm, distilled, em_rounds=3, max_steps=2), tmp_path / "short")
+    assert not (tmp_path / "short" / "boost_state.json").exists()  # refused before writing
+    few = write_distilled(tmp_path / "few", [([1, 4], [5, 6]), ([1, 7], [8, 9])])
+    with pytest.raises(ValueError, match="cannot be split among 2 specialists"):
+        boost(specialists(llm, few, held_out_fraction=0.5), tmp_path / "p")
+    argv = ["--distilled", distilled, "--llm", llm, "--out", str(tmp_path / "q")]
+    assert main([*argv, "--em-rounds", "3"]) == 2  # greedy mode has no EM rounds
+
+
+def test_specialists_command_line(domain_llm: str, domains: str, tmp_path: Path) -> None:
+    argv = ["--distilled", domains, "--llm", domain_llm, "--out", str(tmp_path / "p"), "--num-ssms", "2"]
+    flags = ["--boost-mode", "specialists", "--em-rounds", "2", "--max-steps", "4", "--batch-size", "4"]
+    assert main([*argv, *flags, "--em-feature", "prompt-mean", "--threads", "1"]) == 0
+    record = json.loads((tmp_path / "p" / "boost_record.json").read_text())
+    assert record["em"]["feature"] == "prompt-mean" and len(record["rounds"]) == 2

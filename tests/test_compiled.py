@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
 from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.speculator.chain_router import ChainRouter
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import PassShape
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
@@ -142,23 +143,68 @@ def test_routed_scheduler_compiles_nothing_after_warmup() -> None:
     so a generation and a batch whose choices vary compile nothing new, and their output is
     `llm.generate`'s."""
     llm, ssms, predictor = two_ssms_and_a_random_predictor(bias=0.7)
-    nodes, chains = [1, 2, 3], [[0.1, 0.2], [0.12, 0.22]]
-    cost = CostModel(
+    cost = chain_costs(4, [[[0.1, 0.2], [0.12, 0.22]], [[0.3, 0.4], [0.35, 0.45]]])
+    scheduler = RoutedScheduler(ssms, predictor, cost, calibration=None, cost_correction=None)
+    reports = generate_after_warmup(SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True))
+    actions = {action for report in reports for action in report["actions"]}
+    assert len(actions) > 1, actions  # the choices varied
+
+
+def chain_costs(rows: int, seconds: list[list[list[float]]]) -> CostModel:
+    """A made-up profile of 2 SSMs whose chain tables (depths 1 and 2) were measured at batch sizes 1
+    and `rows`: drafting `seconds` [SSM][batch size][depth]."""
+    return CostModel(
         "test|float32",
         [1],
         [1.0],
         [{}] * 2,
         [0.05] * 2,
-        batch_sizes=[1, 4],
-        chain_nodes=nodes,
+        batch_sizes=[1, rows],
+        chain_nodes=[1, 2, 3],
         chain_verify_seconds=[[1.0, 1.05, 1.1], [1.5, 1.6, 1.7]],
         chain_depths=[1, 2],
-        chain_seconds=[chains, [[0.3, 0.4], [0.35, 0.45]]],
+        chain_seconds=seconds,
     )
-    scheduler = RoutedScheduler(ssms, predictor, cost, calibration=None, cost_correction=None)
-    reports = generate_after_warmup(SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True))
-    actions = {action for report in reports for action in report["actions"]}
-    assert len(actions) > 1, actions  # the choices varied
+
+
+def favouring(ssm: int) -> MatchLengthPredictor:
+    """A predictor (width 1, depths 1 and 2) whose estimates favour SSM `ssm` whatever the state."""
+    config = PredictorConfig(input_size=32, num_ssms=2, widths=(1,), depths=(1, 2), hidden_size=16)
+    predictor = MatchLengthPredictor(config)
+    with torch.no_grad():
+        predictor.mlp[-1].weight.zero_()
+        good, bad = [0.9, 1.8], [0.1, 0.1]
+        predictor.mlp[-1].bias.copy_(torch.tensor([good, bad] if ssm == 0 else [bad, good]).flatten())
+    return predictor.eval()
+
+
+@pytest.mark.slow
+def test_a_routed_batch_warmed_on_its_prompts_compiles_nothing_when_it_routes_otherwise() -> None:
+    """A compiled method warms up on the prompts it is timed on; the routed scheduler's choices
+    follow measured times, so the timed run may route to an SSM that sat out the warm-up, at a
+    cache capacity that SSM never met (prompts past the first capacity). Its drafters grow with the
+    text and are warmed every step whether they draft or not (`RoutedChains.warm`), so nothing is
+    compiled in the run that routes otherwise, and its output is `llm.generate`'s."""
+    llm = tiny_llama(layers=2, seed=0, positions=512).float()
+    ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.1, seed=2)]
+    cost = chain_costs(2, [[[0.1, 0.2], [0.1, 0.2]]] * 2)
+    scheduler = RoutedScheduler(ssms, favouring(0), cost, calibration=None, cost_correction=None)
+    dec = SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True)
+    ids = torch.randint(1, 60, (2, 230), generator=torch.Generator().manual_seed(0))
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+
+    def drafters() -> set[str]:
+        """The SSMs that drafted in a generation of `ids` (which equals `llm.generate`'s)."""
+        out = dec.generate(ids, max_new_tokens=12)
+        assert torch.equal(out.sequences, expected)
+        actions = {action for row in out.stats.sequences for action in row.strategy["actions"]}
+        return {action.split(" x")[0] for action in actions} - {"plain"}
+
+    assert drafters() == {"SSM 0"}  # the warm-up
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    scheduler.router = ChainRouter(favouring(1), cost, calibration=None, cost_correction=None)
+    assert drafters() == {"SSM 1"}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def generate_after_warmup(dec: SpeculativeDecoder) -> list[dict]:

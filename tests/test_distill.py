@@ -20,9 +20,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specboost.speculator.model_info import check_model_location
+from specboost.speculator.prompt_sets import PromptSource, bundled_source, load_prompt_splits
 from specboost.training import distill as distill_module
 from specboost.training.distill import (
     DistillConfig,
+    default_out_name,
     distill,
     filter_reason,
     final_number,
@@ -234,6 +236,8 @@ def test_answer_check_and_row_filters() -> None:
     assert filter_reason(row("so 3 + 4 = 7", [4, 5, 2], answer="... #### 7"), config) == ""
     assert filter_reason(row("so 3 + 4 = 8", [4, 5, 2], answer="... #### 7"), config) == "wrong_answer"
     assert filter_reason(row("text", [4, 5, 2], answer="free-form answer"), config) == ""
+    lenient = dataclasses.replace(config, keep_wrong_answers=True)
+    assert filter_reason(row("so 3 + 4 = 8", [4, 5, 2], answer="... #### 7"), lenient) == ""
 
 
 def test_prompt_errors_surface(llm: str, tmp_path: Path, capsys) -> None:
@@ -483,3 +487,192 @@ def test_distribution_settings_are_checked(llm: str, prompts: str, tmp_path: Pat
     off = distill(make_config(llm, prompts, top_k_probs=0), tmp_path / "off")
     assert off["distributions"] is None
     assert "top_k_ids" not in load_distilled(tmp_path / "off").column_names
+
+
+# ---------------------------------------------------------------- several prompt sets (domains)
+
+OTHER_PROMPTS = [f"{a} {b}" for a, b in itertools.product(WORDS[12:16], WORDS[16:20])]  # 16, none in PROMPTS
+
+
+@pytest.fixture
+def other(tmp_path: Path) -> str:
+    """A second prompt set (no answers), disjoint from `prompts`."""
+    path = tmp_path / "other.jsonl"
+    path.write_text("".join(json.dumps({"question": p}) + "\n" for p in OTHER_PROMPTS))
+    return str(path)
+
+
+def held_out_prompts(path: str, config: DistillConfig) -> set[str]:
+    """The held-out prompts of one set, as an evaluation loading the set by itself sees them."""
+    source = PromptSource(
+        path, prompt_field="question", held_out_fraction=config.held_out_fraction, seed=config.split_seed
+    )
+    return set(load_prompt_splits(source)["held_out"]["prompt"])
+
+
+def test_two_sets_are_split_each_by_itself_and_mixed_with_their_source(
+    llm: str, prompts: str, other: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    config = make_config(llm, f"{prompts},{other}:5")
+    metadata = distill(config, out)
+    rows = load_distilled(out, keep_filtered=True)
+    assert Counter(rows["source"]) == {"prompts": 11, "other": 5}  # 12 - 1 held out; capped at 5
+    assert len(set(rows["id"])) == len(rows) == metadata["counts"]["train_prompts"] == 16
+    assert rows["prompt_id"] == rows["id"]
+    by_source = {
+        name: {p for p, s in zip(rows["prompt"], rows["source"], strict=True) if s == name}
+        for name in ("prompts", "other")
+    }
+    assert by_source["prompts"] <= set(PROMPTS) and by_source["other"] <= set(OTHER_PROMPTS)
+    for path, name in ((prompts, "prompts"), (other, "other")):
+        held = held_out_prompts(path, config)
+        assert held and not held & set(rows["prompt"]), f"a held-out prompt of {name} was distilled"
+    # The first set keeps the ids a run of it alone gives; the second's come after its id range.
+    alone = distill(make_config(llm, prompts), tmp_path / "alone")
+    first = [i for i, s in zip(rows["id"], rows["source"], strict=True) if s == "prompts"]
+    assert first == load_distilled(tmp_path / "alone", keep_filtered=True)["id"]
+    assert [s["id_offset"] for s in metadata["prompt_sets"]] == [0, len(PROMPTS)]
+    assert min(i for i, s in zip(rows["id"], rows["source"], strict=True) if s == "other") >= len(PROMPTS)
+    sources = metadata["counts"]["sources"]
+    assert sources["other"] | {"filtered": None} == {
+        "train_prompts": 5,
+        "train_available": 14,
+        "held_out_prompts": 2,
+        "overlapping_prompts": 0,
+        "truncated_prompts": 0,
+        "rows": 5,
+        "kept": 5 - sum(sources["other"]["filtered"].values()),
+        "filtered": None,
+    }
+    assert sources["prompts"]["rows"] == alone["counts"]["rows"] == 11
+    assert sum(s["kept"] for s in sources.values()) == metadata["counts"]["kept"]
+    assert metadata["prompt_sets"][1]["max_train_prompts"] == 5
+
+
+def test_sets_sharing_prompts_distill_each_prompt_once_and_no_held_out_one(
+    llm: str, prompts: str, tmp_path: Path
+) -> None:
+    """A set overlapping another (as bundled `bench` lies inside `vicuna_bench`): its copies of the
+    first set's prompts, trained or held out there, are dropped; its own held-out split too."""
+    overlap = tmp_path / "overlap.jsonl"
+    overlap.write_text("".join(json.dumps({"question": p}) + "\n" for p in PROMPTS[:6] + OTHER_PROMPTS[:6]))
+    out = tmp_path / "out"
+    config = make_config(llm, f"{prompts},{overlap}", top_k_probs=0)
+    metadata = distill(config, out)
+    rows = load_distilled(out, keep_filtered=True)
+    assert len(set(rows["prompt"])) == len(rows)
+    for path in (prompts, str(overlap)):
+        assert not held_out_prompts(path, config) & set(rows["prompt"])
+    mine = {p for p, s in zip(rows["prompt"], rows["source"], strict=True) if s == "overlap"}
+    assert mine and mine <= set(OTHER_PROMPTS[:6])
+    counts = metadata["counts"]["sources"]["overlap"]
+    assert counts["overlapping_prompts"] == 11 - len(mine) and counts["train_prompts"] == len(mine)
+
+
+def test_a_set_without_answers_mixes_with_one_that_has_them(llm: str, other: str, tmp_path: Path) -> None:
+    """gsm8k brings its reference answers (checked by the answer filter); the other set's are None."""
+    out = tmp_path / "out"
+    metadata = distill(make_config(llm, f"{other}:3,gsm8k:4", top_k_probs=0), out)
+    rows = load_distilled(out, keep_filtered=True)
+    answers = {
+        s: [a for a, t in zip(rows["answer"], rows["source"], strict=True) if t == s]
+        for s in ("other", "gsm8k")
+    }
+    assert (
+        answers["other"] == [None] * 3
+        and all("####" in a for a in answers["gsm8k"])
+        and len(answers["gsm8k"]) == 4
+    )
+    assert metadata["counts"]["sources"]["gsm8k"]["filtered"]["wrong_answer"] > 0  # a random LLM
+    assert metadata["counts"]["sources"]["other"]["filtered"]["wrong_answer"] == 0
+    lenient = distill(make_config(llm, f"{other}:3,gsm8k:4", top_k_probs=0, keep_wrong_answers=True), out)
+    assert lenient["counts"]["generated_this_run"] == 0  # a filter: no new run, no regeneration
+    assert lenient["counts"]["filtered"]["wrong_answer"] == 0
+
+
+def test_a_single_set_gets_the_source_column_and_resumes_an_old_run(
+    llm: str, prompts: str, tmp_path: Path
+) -> None:
+    """A run.json written before several sets existed (this identity, byte for byte) still resumes."""
+    out = tmp_path / "out"
+    config = make_config(llm, prompts, top_k_probs=0)
+    old_identity = {
+        "llm": llm,
+        "prompts": prompts,
+        "prompt_field": "question",
+        "answer_field": None,
+        "chat_template": False,
+        "max_prompts": None,
+        "held_out_fraction": 0.1,
+        "split_seed": 0,
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "shard_size": 3,
+        "dtype": "auto",
+    }
+    assert config.identity() == old_identity
+    (out / "shards").mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps(old_identity))
+    distill(config, out)
+    rows = load_distilled(out)
+    assert set(rows["source"]) == {"prompts"} and rows.column_names[:4] == [
+        "id",
+        "prompt_id",
+        "sample",
+        "source",
+    ]
+    # A run finished before the column existed: load_distilled names its one set from metadata.json.
+    pq.write_table(pq.read_table(out / "data.parquet").drop_columns(["source"]), out / "data.parquet")
+    assert set(load_distilled(out)["source"]) == {"prompts"}
+
+
+def test_two_sets_resume_after_a_kill_with_every_row_once(
+    llm: str, prompts: str, other: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(llm, f"{prompts}:7,{other}", do_sample=True, num_samples=2, top_k_probs=0)
+    reference = load_distilled(distill(config, tmp_path / "ref") and tmp_path / "ref", keep_filtered=True)
+    out = tmp_path / "out"
+    kill_at_third_shard(config, out, monkeypatch)
+    metadata = distill(config, out)
+    assert metadata["counts"]["resumed_from"] == 6 and metadata["counts"]["rows"] == 2 * (7 + 14)
+    assert Counter(row["id"] for row in read_shards(out, columns=["id"])) == Counter(reference["id"])
+    assert set(Counter(reference["id"]).values()) == {1}
+    rows = load_distilled(out, keep_filtered=True)
+    for column in ("id", "prompt_id", "sample", "source", "output_ids"):
+        assert rows[column] == reference[column]
+    assert Counter(rows["source"]) == {"prompts": 14, "other": 28}
+
+
+def test_bad_prompt_lists_are_refused_before_the_run_folder_is_claimed(
+    llm: str, prompts: str, other: str, tmp_path: Path, capsys
+) -> None:
+    single = tmp_path / "single.jsonl"
+    single.write_text(json.dumps({"question": "a cat"}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bundled_gsm8k = str(bundled_source("gsm8k").path)
+    cases = [
+        (
+            f"{prompts},self_instruct_seed_tasks",
+            "unknown prompt set 'self_instruct_seed_tasks' (did you mean 'self_instruct_seed'?)",
+        ),
+        (f"{prompts},{empty}", "prompt set 'empty': prompt dataset"),
+        (f"{prompts},{other}:3,{prompts}:2", "names the same prompt set more than once (prompts)"),
+        (f"gsm8k,{bundled_gsm8k}", "names the same prompt set twice: 'gsm8k' and"),
+        (f"{other},{single}", "prompt set 'single': cannot hold out 10% of 1 distinct prompts and keep any"),
+        (f"{prompts}:0,{other}", "must be at least 1 train prompt"),
+        (f"{prompts},,{other}", "has an empty entry"),
+    ]
+    for spec, message in cases:
+        out = tmp_path / "out"
+        argv = ["--llm", llm, "--prompts", spec, "--out", str(out)]
+        assert main([*argv, *([] if "gsm8k," in spec else ["--prompt-field", "question"])]) == 2, spec
+        assert message in capsys.readouterr().err, spec
+        assert not (out / "run.json").exists()
+
+
+def test_default_out_folder_names_the_sets() -> None:
+    assert default_out_name("gsm8k") == "gsm8k"
+    assert default_out_name("data/prompts/mine.jsonl") == "mine"
+    assert default_out_name("tinystories_openings:60,data/qa.csv:5,gsm8k") == "tinystories_openings+qa+gsm8k"

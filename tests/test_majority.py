@@ -355,7 +355,7 @@ def test_selected_trees_refuse_rules_that_need_q(rule: str) -> None:
 class AlwaysSelected(PrunedPoolSpeculator):
     """A pruned pool that calls its trees SELECTED also under greedy decoding."""
 
-    def tree_kind(self, do_sample: bool) -> DraftKind:
+    def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return DraftKind.SELECTED
 
 

@@ -688,17 +688,23 @@ def exact_joint(llm: torch.nn.Module, prompt: list[int], config: SamplingConfig,
     return joint.reshape([VOCAB] * length)
 
 
+def seeded_generate(dec: SpeculativeDecoder, prompt: torch.Tensor, seed: int, seeded: bool, **options):
+    """`dec.generate` with `seed=seed`, or (not `seeded`) unseeded after seeding torch's global stream."""
+    if not seeded:
+        torch.manual_seed(seed)
+    return dec.generate(prompt, do_sample=True, seed=seed if seeded else None, eos_token_id=None, **options)
+
+
 def sample_decoder(
-    dec: SpeculativeDecoder, samples: int, max_new_tokens: int, seed0: int, **sampling
+    dec: SpeculativeDecoder, samples: int, max_new_tokens: int, seed0: int, seeded: bool = True, **sampling
 ) -> tuple[Counter, float]:
-    """Counts of the generated token tuples over `samples` seeds; and accepted drafts per call."""
+    """Counts of the generated token tuples over `samples` seeds (`seeded=False`: seeds of torch's
+    global stream, the requests unseeded); and accepted drafts per call."""
     counts: Counter = Counter()
     accepted = 0
     prompt = torch.tensor([PROMPT])
     for seed in range(seed0, seed0 + samples):
-        out = dec.generate(
-            prompt, max_new_tokens=max_new_tokens, do_sample=True, seed=seed, eos_token_id=None, **sampling
-        )
+        out = seeded_generate(dec, prompt, seed, seeded, max_new_tokens=max_new_tokens, **sampling)
         new = out.sequences[0, len(PROMPT) :].tolist()
         assert len(new) == max_new_tokens
         counts[tuple(new)] += 1
@@ -708,21 +714,16 @@ def sample_decoder(
 
 
 def sample_batches(
-    dec: SpeculativeDecoder, batch: int, max_new_tokens: int, seed0: int, **sampling
+    dec: SpeculativeDecoder, batch: int, max_new_tokens: int, seed0: int, seeded: bool = True, **sampling
 ) -> Counter:
     """Counts of the generated token tuples of E2E_SAMPLES rows: batches of `batch` rows of the
-    prompt, one seed per batch (each row gets its own stream); checks that drafts were accepted."""
+    prompt, one seed per batch (each row gets its own stream; `seeded=False`: unseeded rows after
+    seeding torch's global stream); checks that drafts were accepted."""
     counts: Counter = Counter()
     accepted = 0
     for seed in range(seed0, seed0 + E2E_SAMPLES // batch):
-        out = dec.generate(
-            torch.tensor([PROMPT] * batch),
-            max_new_tokens=max_new_tokens,
-            do_sample=True,
-            seed=seed,
-            eos_token_id=None,
-            **sampling,
-        )
+        prompt = torch.tensor([PROMPT] * batch)
+        out = seeded_generate(dec, prompt, seed, seeded, max_new_tokens=max_new_tokens, **sampling)
         for row in out.sequences[:, len(PROMPT) :].tolist():
             counts[tuple(row)] += 1
         accepted += sum(s.accepted_tokens for s in out.stats.sequences)
@@ -744,11 +745,16 @@ E2E_SAMPLES = 600
 
 
 def check_decoder(
-    dec: SpeculativeDecoder, max_new_tokens: int, seed0: int, min_accepted: float, **sampling
+    dec: SpeculativeDecoder,
+    max_new_tokens: int,
+    seed0: int,
+    min_accepted: float,
+    seeded: bool = True,
+    **sampling,
 ) -> dict[int, float]:
     """Sample `dec` E2E_SAMPLES times and compare with the LLM's exact joint distribution; also check
     that speculation was not trivial (drafts really were accepted)."""
-    counts, accepted = sample_decoder(dec, E2E_SAMPLES, max_new_tokens, seed0, **sampling)
+    counts, accepted = sample_decoder(dec, E2E_SAMPLES, max_new_tokens, seed0, seeded, **sampling)
     exact = exact_joint(dec.llm, PROMPT, SamplingConfig(do_sample=True, **sampling), max_new_tokens)
     pvalues = assert_lossless(counts, exact, f"{sampling}")
     assert accepted > min_accepted, f"only {accepted:.3f} drafts accepted per call"
@@ -800,11 +806,16 @@ def test_target_beam(models) -> None:
     check_decoder(dec, 3, seed0=40_000, min_accepted=0.15, temperature=1.3, top_k=4)
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_routed_chains(models, batch: int) -> None:
-    """The routed scheduler (ALGORITHMS.md section 5.3): per step plain or one SSM's argmax chain,
-    the SSM and length from a predictor that favours drafting, verified by the target rule; alone
-    and in a batch of 4 rows of the prompt (each with its own seed) routed together. T=1.3, top_k=4."""
+def test_routed_chains(models, batch: int, seeded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routed scheduler (ALGORITHMS.md section 5.3): per step plain or one SSM's chain, the SSM
+    and length from a predictor that favours drafting; alone and in a batch of 4 rows of the prompt
+    routed together. Seeded requests: argmax chains verified by the target rule; unseeded: sampled
+    chains verified by MSS (checked with a spy on the rules). T=1.3, top_k=4."""
+    used: Counter = Counter()
+    for rule in (Rule.MSS, Rule.TARGET):
+        monkeypatch.setitem(verify.RULES, rule, counted(verify.RULES[rule], used, rule))
     predictor = constant_predictor([[[0.9, 1.8], [1.0, 2.0]]] * 2)
     dec = SpeculativeDecoder(
         models["llm"],
@@ -817,14 +828,25 @@ def test_routed_chains(models, batch: int) -> None:
     router.calibration = router.costs = None  # a made-up profile: keep drafting on its numbers
     sampling = dict(temperature=1.3, top_k=4)
     if batch == 1:
-        check_decoder(dec, 3, seed0=45_000, min_accepted=0.15, **sampling)
-        return
-    counts = sample_batches(dec, batch, 3, 46_000, **sampling)
-    assert_lossless(
-        counts,
-        exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 3),
-        "routed batch",
-    )
+        check_decoder(dec, 3, seed0=45_000, min_accepted=0.15, seeded=seeded, **sampling)
+    else:
+        counts = sample_batches(dec, batch, 3, 46_000, seeded, **sampling)
+        assert_lossless(
+            counts,
+            exact_joint(models["llm"], PROMPT, SamplingConfig(do_sample=True, **sampling), 3),
+            "routed batch",
+        )
+    assert set(used) == {Rule.TARGET if seeded else Rule.MSS}
+
+
+def counted(rule: Callable, used: Counter, name: Rule) -> Callable:
+    """`rule`, counting its calls in `used[name]`."""
+
+    def spy(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+        used[name] += 1
+        return rule(tree, p, generator)
+
+    return spy
 
 
 def test_target_topology(models) -> None:

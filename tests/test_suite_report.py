@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from specboost.decoder.bench.diversity import summarise_matches, walk_steps
 from specboost.decoder.bench.markdown import (
     HEADLINE_MARKERS,
     RESULTS_MARKERS,
     actions_line,
+    chains_by_category,
     fill_readme,
     headline_markdown,
     markdown_report,
@@ -588,3 +592,70 @@ def test_a_report_without_actions_renders_and_its_json_keeps_the_new_fields(tmp_
     last = [r for r in data["runs"][0]["records"] if r["method"] == "learned"][-1]
     assert last["stats"]["strategy"]["actions"] == {"SSM 0 x2": 7}  # stories, repeat 2
     assert " chose: SSM 1 x4 61%" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_hindsight_walk_and_the_match_matrix_on_known_matches(tmp_path: Path) -> None:
+    """SSM 0 matches 2 tokens at the start of a 6-token output, SSM 1 in its middle: alone, each
+    takes 4 steps; the member of longest match at every step takes 2 (3 + 3 tokens)."""
+    stories = np.array([[2, 0, 0, 0, 0, 0], [0, 0, 0, 2, 1, 0]])
+    math = np.array([[1, 0], [0, 0]])  # SSM 0: one step of 2 tokens; SSM 1: 2 steps
+    assert [walk_steps(stories[0]), walk_steps(stories[1]), walk_steps(stories.max(axis=0))] == [4, 4, 2]
+    diversity = summarise_matches({"stories": [stories], "math": [math], "qa": []}, chain_length=2)
+    assert diversity.positions == {"stories": 6, "math": 2, "all": 8}  # qa: no output, left out
+    assert diversity.prompts == {"stories": 1, "math": 1, "all": 2}
+    assert diversity.mean_match["stories"] == pytest.approx([2 / 6, 3 / 6])
+    assert diversity.mean_match["all"] == pytest.approx([3 / 8, 3 / 8])
+    alone = {"stories": [1.5, 1.5], "math": [2.0, 1.0], "all": [8 / 5, 8 / 6]}
+    assert {column: pytest.approx(v) for column, v in alone.items()} == diversity.tokens_per_step
+    assert diversity.union_tokens_per_step == pytest.approx({"stories": 3.0, "math": 2.0, "all": 8 / 3})
+    assert diversity.union_gain == pytest.approx({"stories": 2.0, "math": 1.0, "all": (8 / 3) / (8 / 5)})
+
+    report = suite_report(tmp_path, cell_runs())
+    report.results["diversity"] = {"greedy pool": asdict(diversity)}
+    SuiteConfig(fixture="tiny").write(report, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "suite.json").read_text())["diversity"] == {
+        "greedy pool": json.loads(json.dumps(asdict(diversity)))
+    }
+    text = (tmp_path / "out" / "report.md").read_text()
+    section = text[text.index("## Pool diversity (greedy)") : text.index("## Not run")]
+    assert "**greedy pool** (L = 2; 2 outputs, " in section
+    for line in (
+        "|  | stories (6) | math (2) | all (8) |",
+        "| SSM 0 | 0.33 | 0.50 | 0.38 |",
+        "| SSM 1 alone | 1.50 | 1.00 | 1.33 |",
+        "| union (best member per step) | 3.00 | 2.00 | 2.67 |",
+        "| union / best single | 2.00x | 1.00x | 1.67x |",
+    ):
+        assert f"\n{line}\n" in section
+    assert "## Pool diversity" not in markdown_report(suite_report(tmp_path, cell_runs()))  # none measured
+
+
+def test_per_category_the_fastest_single_chain_stands_beside_learned_and_generalist_rows() -> None:
+    """Plain takes 1.2 s per category; the fastest single chain is `chain[0]` on stories and
+    `chain[1]+compiled` on math and over both; `learned+compiled` and a `generalist...` row are
+    set beside it, with their tokens/s over its."""
+    seconds = {  # method -> (stories, math)
+        "chain[0]": (0.4, 0.7),
+        "chain[1]+compiled": (0.6, 0.4),
+        "learned+compiled": (0.5, 0.8),
+        "generalist+compiled": (0.3, 0.6),
+    }
+    methods = {"plain": "llm.generate"} | {name: name for name in seconds}
+    runs = [
+        CellRun(
+            Cell(category, "greedy", True, 1),
+            methods,
+            [hf("plain", 0, 1.2, 12, 12)] + [ours(name, 0, s[c], MATCHES) for name, s in seconds.items()],
+        )
+        for c, category in enumerate(("stories", "math"))
+    ]
+    text = chains_by_category(tables(runs)[0])
+    assert text.startswith("Per category, the fastest single-SSM chain")
+    assert text.splitlines()[2:] == [
+        "| category | fastest single chain | `learned+compiled` | `generalist+compiled` |",
+        "|---|---|---|---|",
+        "| stories | `chain[0]` 3.00x | 2.40x (0.80x) | 4.00x (1.33x) |",
+        "| math | `chain[1]+compiled` 3.00x | 1.50x (0.50x) | 2.00x (0.67x) |",
+        "| all | `chain[1]+compiled` 2.40x | 1.85x (0.77x) | 2.67x (1.11x) |",
+    ]
+    assert chains_by_category(tables([batch_run("greedy", True)])[0]) is None  # no single chain

@@ -6,12 +6,14 @@ options that make no sense with --suite are refused; `--suite batched` and `--su
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from test_export_pool import add_predictor_and_profile, make_boost
 
+from specboost.decoder.bench.diversity import greedy_outputs, pool_diversity
 from specboost.decoder.bench.methods import Models, generate_method
 from specboost.decoder.bench.records import GREEDY, Decoding
 from specboost.decoder.bench.suite import SuiteConfig, measured_tv
@@ -105,8 +107,22 @@ def test_the_suite_runs_every_method_on_given_models(
             tv = record["ssm_tv"][f"{decoding}, batch {size}"]
             assert tv["positions"] > 0 and len(tv["tv"]["pool"]) == 2
     assert record["models"]["notes"] == []  # a greedy CE pool has no target temperature
+    diversity = record["diversity"]["pool"]  # untimed, on plain decoding's greedy outputs at batch 1
+    assert diversity["chain_length"] == 3 and list(diversity["positions"]) == ["qa", "math", "all"]
+    assert diversity["prompts"]["all"] == 4 and len(diversity["mean_match"]["all"]) == 2
+    assert all(0 <= m <= 3 for column in diversity["mean_match"].values() for m in column)
+    # The walk with one SSM takes exactly the LLM steps of greedy chain decoding with it.
+    alone = diversity["tokens_per_step"]["all"]
+    assert alone == [pytest.approx(greedy_1[f"chain[{i}]"]["tokens_per_step"]) for i in (0, 1)]
+    assert diversity["union_tokens_per_step"]["all"] == pytest.approx(
+        diversity["union_gain"]["all"] * max(alone)
+    )
+    assert max(alone) <= diversity["union_tokens_per_step"]["all"] <= 4
     report = (out / "report.md").read_text()
     assert report.count("Measured TV(p, q_j)") == 4 and "sampled rows on" not in report
+    assert report.index("## greedy, batch 1") < report.index("## Pool diversity (greedy)")
+    assert "**pool** (L = 3; 4 outputs" in report and "| union / best single |" in report
+    assert report.count("Per category, the fastest single-SSM chain") == 3  # batch 1 tables only
     assert (
         report.index("**Machine:**") < report.index("Models given: LLM") < report.index("## greedy, batch 1")
     )
@@ -184,6 +200,107 @@ def test_sampled_rows_run_on_the_sampling_pool(
         f"sampled rows on the pool `{sampling_pool}` (3 SSMs" in report and f"**Warning:** {note}." in report
     )
     assert report.count("Measured TV(p, q_j)") == 1 and "sampling pool: SSM 0" in report
+    # Each pool's diversity on the same greedy outputs: the sampling pool's SSMs are 1, 0, 1.
+    match = {name: pool["mean_match"]["all"] for name, pool in record["diversity"].items()}
+    assert match["sampling pool"] == [match["greedy pool"][i] for i in (1, 0, 1)]
+    assert "**sampling pool** (L = 4" in report and "**greedy pool** (L = 4" in report
+
+
+@pytest.fixture(scope="module")
+def generalist(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pool of one SSM exported from a greedy boost run, as the fixture's generalist: the greedy
+    pool's SSM 1 (so its chain decodes as `chain[1]`)."""
+    llm, pool = models
+    root = tmp_path_factory.mktemp("generalist")
+    boost = make_boost(root, (llm, [pool / "ssm-1"]))
+    record = json.loads((boost / export.RECORD_FILE).read_text())
+    (boost / export.RECORD_FILE).write_text(json.dumps(record | {"rounds": record["rounds"][:1]}))
+    export.export_pool(boost, root / "pool")
+    return root / "pool"
+
+
+def test_the_generalist_rows_run_on_the_fixtures_generalist(
+    models: tuple[Path, Path], generalist: Path, tmp_path: Path
+) -> None:
+    """The fixture's build record names the generalist's export: its chain runs as `generalist`
+    at the pool's chain length, greedy only, and stands in the per-category table; a record from
+    before the generalist step still runs, its generalist rows listed as not run."""
+    llm, pool = models
+    settings = {
+        "fixture": "tiny",
+        "categories": ["qa"],
+        "prompts_per_category": 1,
+        "batch_sizes": [1],
+        "decodings": [{}, {"do_sample": True}],
+        "methods": ["chain", "generalist"],
+        "repeats": 1,
+        "warmup": 0,
+        "compiled": False,
+    }
+    suite_file = tmp_path / "suite.json"
+    suite_file.write_text(json.dumps(settings))
+    cache = tmp_path / "bench-fixture" / "tiny"
+    cache.mkdir(parents=True)
+
+    def run(paths: dict[str, str], out: Path) -> dict:
+        """The suite on a fixture whose build record holds `paths` (no steps: nothing to build)."""
+        build = {"name": "tiny", "paths": paths, "steps": [], "seconds": 0.0}
+        (cache / "fixture.json").write_text(json.dumps(build))
+        argv = ["bench", "--suite", str(suite_file), "--artifacts", str(tmp_path), "--out", str(out)]
+        assert main([*argv, "--max-new-tokens", str(MAX_NEW), "--chain-length", "3"]) == 0
+        return json.loads((out / "suite.json").read_text())
+
+    paths = {"llm": str(llm), "export": str(pool)}
+    record = run(paths | {"generalist_export": str(generalist)}, tmp_path / "report")
+    assert record["models"]["generalist"]["pool"] == str(generalist)
+    assert len(record["models"]["generalist"]["parameters"]["ssms"]) == 1
+    greedy, sampled = ({row["method"]: row for row in table["rows"]} for table in record["tables"])
+    assert set(greedy) == {"plain", "chain[0]", "chain[1]", "generalist"}
+    assert set(sampled) == {"plain", "chain[0]", "chain[1]"}  # trained greedily: no sampled rows
+    row = greedy["generalist"]
+    assert row["identical_to_plain"] and set(row["acceptance_rate_per_ssm"]) == {"0"}
+    assert 0 < row["draft_tokens_per_step"] <= 3  # the chain length of the chain[i] rows
+    assert row["tokens_per_step"] == pytest.approx(greedy["chain[1]"]["tokens_per_step"])  # the same SSM
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert f"generalist `{generalist}` (" in report
+    assert "| category | fastest single chain | `generalist` |" in report
+
+    old = run(paths, tmp_path / "old")  # built before the generalist step
+    assert "generalist" not in old["models"]
+    assert all(row["method"] != "generalist" for table in old["tables"] for row in table["rows"])
+    assert "no generalist SSM" in old["skipped"]["greedy, batch 1"]["generalist"]
+
+    with pytest.raises(ValueError, match="must be a pool of one SSM, not 2"):
+        SuiteConfig(llm=str(llm), pool=str(pool), generalist=str(pool)).plan(tmp_path, print)
+
+
+def test_an_ssm_that_is_the_llm_matches_as_far_as_a_chain_can(models: tuple[Path, Path]) -> None:
+    """The LLM as a member: its chain of L matches the LLM's greedy output min(L, tokens left) at
+    every position, so its walk takes ceil(n / (L + 1)) steps per output of n tokens, and the
+    union with any other member is itself."""
+    llm, pool = models
+    loaded = Models.load(str(llm), str(pool))
+    prompts = [Prompt(text, "test", i) for i, text in enumerate(("Once upon a time", "What is 2 + 3?"))]
+    batches = encode_batches(prompts, loaded.tokenizer, 1, 16)
+    kept = {}
+    for batch in batches:
+        new = loaded.llm.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+        kept[id(batch)] = (batch, loaded.rows(new[:, batch.input_ids.shape[1] :]))
+    outputs = greedy_outputs(kept.values(), {"stories": batches[:1], "qa": batches[1:], "math": []})
+    chain = 3
+    diversity = pool_diversity([loaded.ssms[0], loaded.llm], outputs, chain)
+    lengths = {category: len(pairs[0][1]) for category, pairs in outputs.items() if pairs}
+    assert list(diversity.positions) == ["stories", "qa", "all"]
+    for category, n in lengths.items():
+        assert diversity.positions[category] == n
+        assert diversity.mean_match[category][1] == pytest.approx(
+            sum(min(chain, n - j) for j in range(n)) / n
+        )
+        assert diversity.tokens_per_step[category][1] == pytest.approx(n / math.ceil(n / (chain + 1)))
+        assert diversity.mean_match[category][0] <= diversity.mean_match[category][1]
+    for column in diversity.positions:
+        assert diversity.union_tokens_per_step[column] == diversity.tokens_per_step[column][1]
+        assert diversity.union_gain[column] == 1.0
 
 
 def test_the_llm_is_at_no_distance_from_itself(models: tuple[Path, Path]) -> None:
@@ -238,13 +355,15 @@ def test_a_dry_run_with_given_models_builds_no_fixture(
 
 def test_methods_a_bare_pool_cannot_run_are_skipped_with_the_reason(tmp_path: Path) -> None:
     """A pool without predictor, profile or Sequoia vectors: `learned` would silently run the fixed
-    shape under its name (a bug: it was measured as `learned`), so it is not run; neither is Sequoia."""
+    shape under its name (a bug: it was measured as `learned`), so it is not run; neither is Sequoia,
+    nor, without a generalist, its row."""
     llm_dir, ssm_dirs = build_tiny_models(tmp_path / "tiny")
     export.export_pool(make_boost(tmp_path, (llm_dir, ssm_dirs)), tmp_path / "pool")
     models = Models.load(llm_dir, tmp_path / "pool")
     probe = encode_batches([Prompt("Once upon a time", "test", 0)], models.tokenizer, 1, 16)[0]
     method_set = SuiteConfig(max_new_tokens=4, compiled=False).method_set(models, GREEDY, 1, probe)
-    assert set(method_set.skipped) == {"learned", "learned+oracle", "sequoia"}
+    assert set(method_set.skipped) == {"learned", "learned+oracle", "sequoia", "generalist"}
+    assert "no generalist SSM" in method_set.skipped["generalist"]
     assert "no match-length predictor" in method_set.skipped["learned"]
     assert "pool_chain" in {m.name for m in method_set.methods}
 

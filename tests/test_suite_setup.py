@@ -13,27 +13,32 @@ from conftest import tiny_llama
 from specboost.decoder.bench.configurations import SUITES, resolve_suite
 from specboost.decoder.bench.markdown import speculative
 from specboost.decoder.bench.methods import Models
-from specboost.decoder.bench.records import Decoding
+from specboost.decoder.bench.records import GREEDY, Decoding
 from specboost.decoder.bench.suite import candidates, read_fixture
+from specboost.decoder.bench.workloads import CATEGORIES
 from specboost.decoder.cli import main
+from specboost.speculator.prompt_sets import BUNDLED_PROMPT_SETS
 from specboost.training import bench_fixture
 from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps
+from specboost.training.distill import parse_prompt_sets
 
 
 def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None:
     steps = fixture_steps("small", tmp_path, threads=2)
     assert [s.name for s in steps] == [
         "reference-llm",
-        "distill-tinystories_train_openings",
+        "distill-tinystories_train_openings+self_instruct_seed+eagle_qa+gsm8k",
         "boost",
-        "distill-gutenberg_openings",
+        "distill-gutenberg_openings+eagle_alpaca+eagle_gsm8k",
         "predictor-data",
         "predictor",
         "profile",
         "sequoia-acceptance",
         "export",
-        # the pool for sampling, last: a fixture built before it keeps its greedy steps cached
-        "distill-sampled-tinystories_train_openings",
+        "generalist",
+        "export-generalist",
+        # the pool for sampling, last
+        "distill-sampled-tinystories_train_openings+self_instruct_seed+eagle_qa+gsm8k",
         "boost-sampled",
         "predictor-data-sampled",
         "predictor-sampled",
@@ -49,7 +54,15 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     rebuilt = fixture_steps("small", tmp_path, threads=2, build_threads=3)
     for before, after in zip(steps, rebuilt, strict=True):
         assert before.argv == after.argv  # training threads change speed only: same identity
-        if before.name in ("reference-llm", "boost", "predictor-data", "sequoia-acceptance", "boost-sampled"):
+        trained = (
+            "reference-llm",
+            "boost",
+            "predictor-data",
+            "sequoia-acceptance",
+            "generalist",
+            "boost-sampled",
+        )
+        if before.name in trained:
             assert "--threads" not in after.argv and after.speed_args == ("--threads", "3")
 
 
@@ -64,6 +77,51 @@ def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
         str(sampled / f"ssm-{i}") for i in range(3)
     ]
     assert steps["profile-sampled"].output == sampled / "hardware_profile.json"
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_a_pool_of_specialists_learns_a_mix_and_a_generalist_the_same_data(tmp_path: Path, name: str) -> None:
+    """The pool distils one train set of each suite category (wrong math answers kept: the tiny
+    LLM gets every one wrong) and splits it among specialists; the predictor's labels come from
+    other sets of those categories; the generalist is one greedily boosted SSM on the pool's own
+    data for the pool's total steps, exported as a pool of one SSM. Folders are named as distill
+    names them, never by the raw list with its caps."""
+    spec = bench_fixture.fixture_spec(name)
+    steps = {s.name: s for s in fixture_steps(name, tmp_path, threads=1)}
+    cache = tmp_path / "bench-fixture" / name
+    pool_sets = [entry.name for entry in parse_prompt_sets(spec.pool_prompts)]
+    predictor_sets = [entry.name for entry in parse_prompt_sets(spec.predictor_prompts)]
+    assert pool_sets[1:] == ["self_instruct_seed", "eagle_qa", "gsm8k"] and "openings" in pool_sets[0]
+    assert predictor_sets == ["gutenberg_openings", "eagle_alpaca", "eagle_gsm8k"]
+    assert set(pool_sets + predictor_sets) <= set(BUNDLED_PROMPT_SETS)
+    # every suite category has a set in the mixes (qa only eagle_qa, the pool's: it has no other)
+    assert {c for c, sets in CATEGORIES.items() if set(sets) & set(pool_sets + predictor_sets)} == set(
+        CATEGORIES
+    )
+    pool_data = cache / "distill" / "+".join(pool_sets)
+    for step in steps.values():
+        assert not any(c in str(step.output) for c in ":,") and not any(c in step.name for c in ":,")
+        if step.argv[1] == "specboost.training.distill":
+            assert "--keep-wrong-answers" in step.argv and step.output.parent.name in step.name
+    assert steps[f"distill-{pool_data.name}"].output == pool_data / "data.parquet"
+
+    def option(step: str, flag: str) -> str:
+        argv = steps[step].argv
+        return argv[argv.index(flag) + 1]
+
+    assert steps["boost"].argv[-8:] == (
+        *("--num-ssms", "3", "--max-steps", "400"),
+        *("--boost-mode", "specialists", "--em-rounds", "2"),
+    )
+    generalist = steps["generalist"].argv
+    assert option("generalist", "--distilled") == option("boost", "--distilled") == str(pool_data)
+    assert generalist[-4:] == ("--num-ssms", "1", "--max-steps", str(spec.num_ssms * spec.max_steps))
+    assert "--boost-mode" not in generalist  # greedy: one SSM on every sample
+    assert option("generalist", "--out") == str(cache / "generalist")
+    assert option("export-generalist", "--boost") == str(cache / "generalist")
+    assert steps["export-generalist"].output == cache / "generalist-export" / "specboost_pool.json"
+    assert option("boost-sampled", "--distilled") == str(cache / "distill-sampled" / pool_data.name)
+    assert option(f"distill-sampled-{pool_data.name}", "--prompts") == spec.pool_prompts
 
 
 def fake_steps(tmp_path: Path) -> list[Step]:
@@ -157,6 +215,7 @@ def test_bench_suite_dry_run_lists_the_fixture_steps(tmp_path: Path, capsys: pyt
     assert bench_fixture.main(["--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "[fixture tiny] reference-llm: to build:" in out and "export: to build:" in out
+    assert "[fixture tiny] generalist: to build:" in out and "export-generalist: to build:" in out
     assert not (tmp_path / "bench-fixture").exists()
 
 
@@ -173,6 +232,9 @@ def test_the_suite_finds_its_fixture_by_the_build_record(
     assert record["paths"]["export"] == str(tmp_path / "bench-fixture" / "tiny" / "pool-export")
     assert record["paths"]["sampled_export"] == str(
         tmp_path / "bench-fixture" / "tiny" / "pool-sampled-export"
+    )
+    assert record["paths"]["generalist_export"] == str(
+        tmp_path / "bench-fixture" / "tiny" / "generalist-export"
     )
     assert [step["name"] for step in record["steps"]] == ["a", "b"] and not record["steps"][0]["cached"]
     assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
@@ -193,11 +255,16 @@ def test_steps_after_boost_use_the_ssms_the_boost_run_produced(tmp_path: Path) -
         assert named == [str(pool / "ssm-0"), str(pool / "ssm-1")], name
 
 
-# What every step of the `small` fixture ran when the cache in use was built: a step whose command
-# differs is rebuilt, so these must not change without a reason to rebuild.
+# What every step of the `small` fixture runs: a step whose command differs is rebuilt, so these
+# must not change without a reason to rebuild (the mix of domains, specialists and the generalist
+# changed every step after the reference LLM).
 SMALL = "artifacts/bench-fixture/small"
 LLM = "artifacts/reference-llm/small/model"
 SSMS = [f"{SMALL}/pool/ssm-{i}" for i in range(3)]
+POOL_PROMPTS = "tinystories_train_openings:400,self_instruct_seed:200,eagle_qa:200,gsm8k:200"
+POOL_DATA = "tinystories_train_openings+self_instruct_seed+eagle_qa+gsm8k"
+PREDICTOR_DATA = "gutenberg_openings+eagle_alpaca+eagle_gsm8k"
+DISTILL_FLAGS = ("--max-new-tokens", "64", "--batch-size", "16", "--keep-wrong-answers")
 RECORDED_ARGV = {
     "reference-llm": [
         "specboost.training.reference_llm",
@@ -206,28 +273,27 @@ RECORDED_ARGV = {
         "--out",
         "artifacts/reference-llm/small",
     ],
-    "distill-tinystories_train_openings": [
-        *("specboost.training.distill", "--llm", LLM, "--prompts", "tinystories_train_openings"),
-        *(
-            "--out",
-            f"{SMALL}/distill/tinystories_train_openings",
-            "--max-new-tokens",
-            "64",
-            "--batch-size",
-            "16",
-        ),
+    f"distill-{POOL_DATA}": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts", POOL_PROMPTS),
+        *("--out", f"{SMALL}/distill/{POOL_DATA}", *DISTILL_FLAGS),
     ],
     "boost": [
-        *("specboost.training.boost", "--distilled", f"{SMALL}/distill/tinystories_train_openings"),
+        *("specboost.training.boost", "--distilled", f"{SMALL}/distill/{POOL_DATA}"),
         *("--llm", LLM, "--out", f"{SMALL}/pool", "--num-ssms", "3", "--max-steps", "400"),
+        *("--boost-mode", "specialists", "--em-rounds", "2"),
     ],
-    "distill-gutenberg_openings": [
-        *("specboost.training.distill", "--llm", LLM, "--prompts", "gutenberg_openings"),
-        *("--out", f"{SMALL}/distill/gutenberg_openings", "--max-new-tokens", "64", "--batch-size", "16"),
+    f"distill-{PREDICTOR_DATA}": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts"),
+        *(
+            "gutenberg_openings:60,eagle_alpaca:40,eagle_gsm8k:40",
+            "--out",
+            f"{SMALL}/distill/{PREDICTOR_DATA}",
+        ),
+        *DISTILL_FLAGS,
     ],
     "predictor-data": [
         *("specboost.training.predictor_data", "--llm", LLM, "--ssm", *SSMS),
-        *("--distilled", f"{SMALL}/distill/gutenberg_openings", "--out", f"{SMALL}/predictor-data"),
+        *("--distilled", f"{SMALL}/distill/{PREDICTOR_DATA}", "--out", f"{SMALL}/predictor-data"),
     ],
     "predictor": [
         *("specboost.training.train_predictor", "--labels", f"{SMALL}/predictor-data"),
@@ -239,7 +305,7 @@ RECORDED_ARGV = {
     ],
     "sequoia-acceptance": [
         *("specboost.training.sequoia_trees", "--llm", LLM, "--ssm", *SSMS),
-        *("--distilled", f"{SMALL}/distill/tinystories_train_openings"),
+        *("--distilled", f"{SMALL}/distill/{POOL_DATA}"),
         *(
             "--held-out-from",
             f"{SMALL}/pool/boost_record.json",
@@ -248,22 +314,29 @@ RECORDED_ARGV = {
         ),
     ],
     "export": ["specboost.training.export", "--boost", f"{SMALL}/pool", "--out", f"{SMALL}/pool-export"],
-    # The pool for sampling (appended: the steps above keep their commands and their cache).
-    "distill-sampled-tinystories_train_openings": [
-        *("specboost.training.distill", "--llm", LLM, "--prompts", "tinystories_train_openings"),
-        *("--out", f"{SMALL}/distill-sampled/tinystories_train_openings", "--max-new-tokens", "64"),
-        *("--batch-size", "16", "--do-sample", "--temperature", "0.8", "--num-samples", "4"),
-        *("--top-k-probs", "64"),
+    "generalist": [
+        *("specboost.training.boost", "--distilled", f"{SMALL}/distill/{POOL_DATA}"),
+        *("--llm", LLM, "--out", f"{SMALL}/generalist", "--num-ssms", "1", "--max-steps", "1200"),
+    ],
+    "export-generalist": [
+        *("specboost.training.export", "--boost", f"{SMALL}/generalist"),
+        *("--out", f"{SMALL}/generalist-export"),
+    ],
+    # The pool for sampling.
+    f"distill-sampled-{POOL_DATA}": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts", POOL_PROMPTS),
+        *("--out", f"{SMALL}/distill-sampled/{POOL_DATA}", *DISTILL_FLAGS),
+        *("--do-sample", "--temperature", "0.8", "--num-samples", "4", "--top-k-probs", "64"),
     ],
     "boost-sampled": [
-        *("specboost.training.boost", "--distilled", f"{SMALL}/distill-sampled/tinystories_train_openings"),
+        *("specboost.training.boost", "--distilled", f"{SMALL}/distill-sampled/{POOL_DATA}"),
         *("--llm", LLM, "--out", f"{SMALL}/pool-sampled", "--num-ssms", "3", "--max-steps", "1200"),
         *("--loss", "kl", "--boost-mode", "sampled"),
     ],
     "predictor-data-sampled": [
         *("specboost.training.predictor_data", "--llm", LLM, "--ssm"),
         *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
-        *("--distilled", f"{SMALL}/distill/gutenberg_openings", "--out", f"{SMALL}/predictor-data-sampled"),
+        *("--distilled", f"{SMALL}/distill/{PREDICTOR_DATA}", "--out", f"{SMALL}/predictor-data-sampled"),
     ],
     "predictor-sampled": [
         *("specboost.training.train_predictor", "--labels", f"{SMALL}/predictor-data-sampled"),
@@ -301,4 +374,12 @@ def test_both_suites_run_the_compiled_rows_and_learned_compiled_at_every_batch_s
             assert {"plain_compiled", "learned+compiled"} <= names, (decoding, size)
             assert ("learned" in names) == ("chain[0]+compiled" in names) == (size == 1)
             assert ("batched+compiled" in names) == (size > 1)
+            # the generalist's chain: greedy batch 1 only (it is trained on greedy outputs)
+            generalist = size == 1 and not decoding.do_sample
+            assert ({"generalist", "generalist+compiled"} <= names) == generalist, (decoding, size)
+            assert generalist or not any(name.startswith("generalist") for name in names)
     assert not speculative("learned+compiled") and speculative("chain[0]+compiled")
+    demo = SUITES["demo"]  # the demo's pool ships no generalist
+    assert not any(
+        demo.wanted(name) for name in candidates(demo, models, GREEDY, 1) if name.startswith("generalist")
+    )

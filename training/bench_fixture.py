@@ -6,17 +6,22 @@ with --suite, then the suite on it (`make bench`: `specboost bench --suite` with
 
 Steps, in order (the same commands as the Makefile's training targets):
 reference LLM (`make reference-llm`, into ARTIFACTS/reference-llm/<preset>, shared with it) ->
-distillation data on the pool's prompt set -> boosted pool -> distillation data on a second
-prompt set -> predictor labels -> predictor -> hardware profile (`specboost profile`) -> Sequoia
-acceptance vectors (on the boost run's held-out samples) -> export; then the pool for sampling:
-sampled distillation data on the pool's prompt set (the LLM's top-K distributions at the
+distillation data on the pool's mix of prompt sets (the train splits of a set of each suite
+category: stories, instructions, qa, math; wrong math answers kept, as the SSMs imitate the LLM)
+-> a pool of specialists boosted on it (`--boost-mode specialists`: the SSMs split the samples
+among themselves by EM, ALGORITHMS.md 4.1) -> distillation data on a second mix (other sets of
+the same categories, never boosted on) -> predictor labels -> predictor -> hardware profile
+(`specboost profile`) -> Sequoia acceptance vectors (on the boost run's held-out samples) ->
+export; then the generalist, the baseline the specialists must beat: one SSM boost-tuned
+greedily on the same data for as many steps as the whole pool took -> its export (a pool of one
+SSM, no predictor or profile: the suite's `generalist` rows run its chain); then the pool for
+sampling: sampled distillation data on the pool's mix (the LLM's top-K distributions at the
 sampling temperature) -> a pool boosted for sampling on them -> its predictor labels (its SSMs'
-greedy match lengths on the second prompt set; the learned scheduler's online correction, fed by
+greedy match lengths on the second mix; the learned scheduler's online correction, fed by
 sampled acceptance, scales them to sampling: ALGORITHMS.md 5.1, 5.3) -> its predictor -> its
-hardware profile (`specboost profile`) -> its export (no Sequoia vectors). The sampling pool's
-steps come last, so a fixture built before them keeps its greedy steps cached. Everything but the
-reference LLM goes into the cache folder
-ARTIFACTS/bench-fixture/<fixture>.
+hardware profile (`specboost profile`) -> its export (no Sequoia vectors). Distillation folders
+and steps are named as `distill` names a run (`default_out_name`: the sets joined with "+").
+Everything but the reference LLM goes into the cache folder ARTIFACTS/bench-fixture/<fixture>.
 
 A step that finishes writes `done/<step>.json` (atomically) with its command and duration; a
 later build skips a step whose marker holds the same command and whose output exists, so a
@@ -24,7 +29,8 @@ cached build costs nothing. Once a step runs, every later step runs too (they ma
 each resuming through its own logic (every training step resumes after a kill and is a no-op
 when its output is complete). To rebuild a step from scratch, delete its output and its marker.
 Every build ends by writing `fixture.json` (its model paths and steps) into the cache folder:
-`specboost bench --suite` finds the fixture's models there.
+`specboost bench --suite` finds the fixture's models there (a record from before the generalist
+has no `generalist_export`: the suite then lists its rows as not run).
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ from pathlib import Path
 from specboost.decoder import cli
 from specboost.decoder.bench.configurations import resolve_suite
 from specboost.decoder.bench.suite import FIXTURE_RECORD, SuiteConfig
+from specboost.decoder.pool import MANIFEST_FILE
 from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
+from specboost.training.distill import default_out_name
 from specboost.training.run_files import write_json_atomic
 
 
@@ -53,11 +61,19 @@ class FixtureSpec:
     """What a fixture is built from; the settings mirror `make demo` / `make predictor`."""
 
     preset: str  # reference LLM preset (training/reference_llm.py PRESETS)
-    pool_prompts: str = "tinystories_openings"  # distilled for boost-tuning (train split)
-    predictor_prompts: str = "gutenberg_openings"  # distilled for predictor labels: never boosted on
-    distill_flags: tuple[str, ...] = ("--max-new-tokens", "64", "--batch-size", "16")
+    # Distilled for boost-tuning (each set's train split): the train sets of the suite's four
+    # categories (decoder/bench/workloads.py CATEGORIES), so the specialists have domains to split.
+    pool_prompts: str = "tinystories_openings:60,self_instruct_seed:40,eagle_qa:40,gsm8k:40"
+    # Distilled for predictor labels: other sets of the same categories, never boosted on (their
+    # train splits; the suite decodes only held-out prompts). qa has no second set (eagle_qa is the
+    # pool's): the scheduler's online correction (ALGORITHMS.md 5.1) covers it.
+    predictor_prompts: str = "gutenberg_openings:60,eagle_alpaca:40,eagle_gsm8k:40"
+    # --keep-wrong-answers: the tiny LLM answers every math prompt wrongly, and the answer filter
+    # would drop the whole math domain; the SSMs are to imitate the LLM, right or wrong.
+    distill_flags: tuple[str, ...] = ("--max-new-tokens", "64", "--batch-size", "16", "--keep-wrong-answers")
     num_ssms: int = 3
-    boost_flags: tuple[str, ...] = ("--max-steps", "400")
+    max_steps: int = 400  # per SSM of the greedy pool; the generalist trains num_ssms x max_steps
+    boost_flags: tuple[str, ...] = ("--boost-mode", "specialists", "--em-rounds", "2")
     # The pool for sampling: distill_flags plus these (the same prompts); its boost flags.
     sampled_distill_flags: tuple[str, ...] = (
         *("--do-sample", "--temperature", "0.8", "--num-samples", "4", "--top-k-probs", "64"),
@@ -68,11 +84,15 @@ class FixtureSpec:
 
 
 FIXTURES: dict[str, FixtureSpec] = {
-    # The benchmark target (~1 h of training on 2 cores). Its pool distils 1000 training-story
-    # openings: on the 180 prompts of tinystories_openings' train split its SSMs reproduced every
-    # sample after 2 rounds (memorised) and reached 0.6 held-out acceptance.
-    "small": FixtureSpec(preset="small", pool_prompts="tinystories_train_openings"),
-    "tiny": FixtureSpec(preset="tiny"),  # minutes: for development and quick runs
+    # The benchmark target (~1 h of training on 2 cores). Its stories come from the 900 training-
+    # story openings (a pool trained on tinystories_openings' 180 alone memorised them in 2 rounds),
+    # 400 of them; the other sets give all their train prompts up to 200 (self_instruct_seed 157,
+    # eagle_qa 72, gsm8k 200): 829 prompts to distil, about the 900 stories it distilled before.
+    "small": FixtureSpec(
+        preset="small",
+        pool_prompts="tinystories_train_openings:400,self_instruct_seed:200,eagle_qa:200,gsm8k:200",
+    ),
+    "tiny": FixtureSpec(preset="tiny"),  # minutes: for development and quick runs (`make demo`'s mix)
 }
 
 
@@ -82,16 +102,23 @@ class FixturePaths:
     cache: Path  # ARTIFACTS/bench-fixture/<fixture>
     pool: Path  # the boost run (SSMs, predictor, hardware profile)
     export: Path  # the exported pool (SSMPool.from_pretrained)
+    generalist: Path  # the generalist's boost run: one SSM, the pool's data and total steps
+    generalist_export: Path  # its export, a pool of one SSM: the suite's generalist rows run on it
     sampled_pool: Path  # the boost run for sampling (its SSMs and hardware profile)
     sampled_export: Path  # its export: the suite's sampled rows run on it
 
     @classmethod
     def of(cls, name: str, artifacts: Path) -> FixturePaths:
         cache = artifacts / "bench-fixture" / name
-        llm = artifacts / "reference-llm" / fixture_spec(name).preset / "model"
         return cls(
-            *(llm, cache, cache / "pool", cache / "pool-export"),
-            *(cache / "pool-sampled", cache / "pool-sampled-export"),
+            llm=artifacts / "reference-llm" / fixture_spec(name).preset / "model",
+            cache=cache,
+            pool=cache / "pool",
+            export=cache / "pool-export",
+            generalist=cache / "generalist",
+            generalist_export=cache / "generalist-export",
+            sampled_pool=cache / "pool-sampled",
+            sampled_export=cache / "pool-sampled-export",
         )
 
 
@@ -134,20 +161,26 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
     llm, pool, t = str(paths.llm), paths.pool, str(threads)
     speed = ("--threads", str(build_threads or os.cpu_count() or 1))
     ssms = [str(pool / f"ssm-{i}") for i in range(boosted_ssms(pool, spec.num_ssms))]
-    distilled = {p: paths.cache / "distill" / p for p in (spec.pool_prompts, spec.predictor_prompts)}
-    sampled, sampled_distilled = paths.sampled_pool, paths.cache / "distill-sampled" / spec.pool_prompts
+    # Distillation runs are named as `distill` names them (a list's sets joined with "+", no caps)
+    distilled = {
+        p: paths.cache / "distill" / default_out_name(p) for p in (spec.pool_prompts, spec.predictor_prompts)
+    }
+    sampled = paths.sampled_pool
+    sampled_distilled = paths.cache / "distill-sampled" / default_out_name(spec.pool_prompts)
     labels = paths.cache / "predictor-data"
 
     def distill(prompts: str, folder: str = "distill", flags: tuple[str, ...] = ()) -> Step:
-        out = paths.cache / folder / prompts
+        out = paths.cache / folder / default_out_name(prompts)
         argv = _module("training.distill", "--llm", llm, "--prompts", prompts, "--out", str(out))
-        return Step(f"{folder}-{prompts}", (*argv, *spec.distill_flags, *flags), out / "data.parquet")
+        return Step(f"{folder}-{out.name}", (*argv, *spec.distill_flags, *flags), out / "data.parquet")
 
-    def boost(distilled_data: Path, out: Path, flags: tuple[str, ...]) -> tuple[str, ...]:
+    def boost(
+        distilled_data: Path, out: Path, flags: tuple[str, ...], num_ssms: int = spec.num_ssms
+    ) -> tuple[str, ...]:
         return _module(
             "training.boost",
             *("--distilled", str(distilled_data), "--llm", llm, "--out", str(out)),
-            *("--num-ssms", str(spec.num_ssms), *flags),
+            *("--num-ssms", str(num_ssms), *flags),
         )
 
     reference_llm = _module("training.reference_llm", "--preset", spec.preset, "--out", str(paths.llm.parent))
@@ -176,20 +209,29 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             *("--threads", t, "--compile"),
         )
 
+    def export(boosted: Path, out: Path, suffix: str = "") -> Step:
+        """The boost run exported as a pool; without a predictor or profile (the generalist) it
+        decodes by default with chains of 4, and the suite's rows set their own shape anyway."""
+        argv = _module("training.export", "--boost", str(boosted), "--out", str(out))
+        return Step(f"export{suffix}", argv, out / MANIFEST_FILE)
+
     sequoia = _module(
         "training.sequoia_trees",
         *("--llm", llm, "--ssm", *ssms, "--distilled", str(distilled[spec.pool_prompts])),
         *("--held-out-from", str(pool / "boost_record.json"), "--out", str(pool / ACCEPTANCE_FILE)),
     )
-    export = _module("training.export", "--boost", str(pool), "--out", str(paths.export))
+    greedy_steps = ("--max-steps", str(spec.max_steps))
+    # The generalist: one SSM trained greedily on the pool's data for the whole pool's steps, the
+    # baseline the pool's specialists must beat (the suite's `generalist` rows).
+    generalist_steps = ("--max-steps", str(spec.num_ssms * spec.max_steps))
+    generalist = boost(distilled[spec.pool_prompts], paths.generalist, generalist_steps, num_ssms=1)
     sampled_ssms = [str(sampled / f"ssm-{i}") for i in range(boosted_ssms(sampled, spec.num_ssms))]
-    sampled_export = _module("training.export", "--boost", str(sampled), "--out", str(paths.sampled_export))
     return [
         Step("reference-llm", reference_llm, paths.llm / "config.json", speed),
         distill(spec.pool_prompts),
         Step(
             "boost",
-            boost(distilled[spec.pool_prompts], pool, spec.boost_flags),
+            boost(distilled[spec.pool_prompts], pool, (*greedy_steps, *spec.boost_flags)),
             pool / "boost_record.json",
             speed,
         ),
@@ -197,7 +239,9 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         *predictor_steps(pool, ssms, labels),
         Step("profile", profile(pool, ssms), pool / PROFILE_FILE),
         Step("sequoia-acceptance", sequoia, pool / ACCEPTANCE_FILE, speed),
-        Step("export", export, paths.export / "specboost_pool.json"),
+        export(pool, paths.export),
+        Step("generalist", generalist, paths.generalist / "boost_record.json", speed),
+        export(paths.generalist, paths.generalist_export, "-generalist"),
         distill(spec.pool_prompts, "distill-sampled", spec.sampled_distill_flags),
         Step(
             "boost-sampled",
@@ -207,7 +251,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         ),
         *predictor_steps(sampled, sampled_ssms, paths.cache / "predictor-data-sampled", "-sampled"),
         Step("profile-sampled", profile(sampled, sampled_ssms), sampled / PROFILE_FILE),
-        Step("export-sampled", sampled_export, paths.sampled_export / "specboost_pool.json"),
+        export(sampled, paths.sampled_export, "-sampled"),
     ]
 
 
@@ -330,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         name, threads = args.fixture or config.fixture, args.threads or config.threads
         build = build_fixture(name, args.artifacts, threads, args.dry_run, build_threads=args.build_threads)
         paths = build.paths
-        print(f"[fixture {name}] {build.seconds:.0f} s; pools at {paths.export}, {paths.sampled_export}")
+        pools = f"{paths.export}, {paths.generalist_export}, {paths.sampled_export}"
+        print(f"[fixture {name}] {build.seconds:.0f} s; pools at {pools}")
     if args.suite is None or args.dry_run:
         return 0
     # The suite's own options: all but --build-threads (and its value).

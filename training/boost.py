@@ -45,6 +45,19 @@ Boost modes (`--boost-mode`):
   everywhere). The acceptances are saved per round (round-<i>/pool_acceptance.npy), so a resumed
   run trains with exactly the weights it would have used. Needs the stored distributions; any
   `--loss` applies (the weights multiply it).
+- `specialists` (section 4.1, training/specialists.py): the `--num-ssms` K members split the
+  training samples among themselves instead of each covering what the earlier ones miss (which
+  yields near-clones), by hard EM on their own greedy acceptance, without labels. Init: k-means
+  (seeded) on an unsupervised feature of every sample made from the LLM's input embeddings
+  (`--em-feature`: `sif`, the default, a frequency-weighted mean over prompt and output tokens;
+  `prompt-mean`, the plain mean over the prompt). Then `--em-rounds` R (default 2) rounds, each
+  an M-step (member k continues training on its samples, with the losses above, for its share
+  max_steps / R of its budget: the pool trains K x max_steps steps in all, as in the other
+  modes) and an E-step (every training sample goes to the member with the best mean greedy
+  match length on it, as the held-out greedy acceptance below measures it; a tie keeps it where
+  it was; no member keeps fewer than `--min-share` / K of the samples: the samples that lose
+  least by moving fill it up). Marking options do not apply (refused); `--num-ssms` cannot grow
+  on resume. A `source` column of the distilled data is only reported, never used to assign.
 Losses and modes that need the stored distributions refuse data without them (exit 2), naming the
 distill command that records them.
 
@@ -66,6 +79,23 @@ rounds and their marks; atomic), boost_record.json (atomic; with `boost_mode`, `
 `target_temperature`, the temperature the trained-on p was recorded at, null for CE),
 coverage.png. A killed run resumes by rerunning the same command: completed rounds are skipped and
 a partly trained round resumes from its last checkpoint. `--num-ssms` may grow.
+
+Specialists mode writes instead: round-<r>/assignment.npy (every training sample's member, in the
+training rows' order: round 0's is the clustering, round r + 1's the E-step after round r, the
+last one the final split), round-<r>/member-<k>/checkpoints/ (Trainer), round-<r>/ssm-<k>/
+(member k after round r; the last round's is ssm-<k>/). boost_state.json's "em" holds the finished
+EM rounds and the members finished in the current one, so a resumed run loads the saved
+assignments, skips what is done and ends as an uninterrupted run does. boost_record.json's "em"
+holds the settings and, per EM round ("history"), per member: `share` and `train_samples` (what it
+trained on), `next_share` (after the E-step), `own_mean_match_length` (position-weighted mean
+greedy match on its own training samples), `train_mean_match_length` (on all of them), the
+held-out scores below (`held_out_mean_match_length`, `held_out_acceptance`, `single_coverage`,
+`pool_coverage` over members 0..k, sampled ones when p is stored), `steps`, `final_loss`, and
+`source_shares` / `next_source_shares` when the data has a `source` column; per round also
+`reassigned`, `balance_moves`, and the mean match of the best member per sample
+(`train_best_member_mean_match_length`, `held_out_best_member_mean_match_length`: an oracle
+router's). Its "rounds" lists the pool's members as in the other modes (path, total steps,
+held-out scores), so export and compare_pool read it unchanged.
 """
 
 from __future__ import annotations
@@ -75,7 +105,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +115,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 from specboost.speculator.loading import load_config, load_tokenizer
-from specboost.training.boost_config import BOOST_MODES, MARKINGS, SSM_PRESETS, BoostConfig
+from specboost.training.boost_config import BOOST_MODES, EM_FEATURES, MARKINGS, SSM_PRESETS, BoostConfig
 from specboost.training.boost_data import (
     Targets,
     acceptance_weights,
@@ -98,6 +128,7 @@ from specboost.training.boost_data import (
 from specboost.training.boost_scoring import HeldOutPool, mark, output_acceptance, output_hits, pool_max
 from specboost.training.distribution_loss import LOSSES
 from specboost.training.run_files import library_versions, write_json_atomic
+from specboost.training.specialists import SpecialistRun, save_array
 from specboost.training.ssm_setup import build_ssm, check_base_vocab, context_of, load_ssm, sized_ssm_config
 from specboost.training.ssm_training import train_round
 
@@ -168,6 +199,17 @@ def write_outputs(
         "span_depth": config.span_depth if greedy and config.marking == "span" else None,
         "marked_unit": ("samples" if config.marking == "sample" else "positions") if greedy else None,
         "chain": config.chain,
+        # specialists mode: the EM settings and, per EM round, every member's share and scores
+        "em": (
+            {
+                "rounds": config.em_rounds,
+                "feature": config.em_feature,
+                "min_share": config.min_share,
+                "history": state.get("em", {}).get("rounds", []),
+            }
+            if config.boost_mode == "specialists"
+            else None
+        ),
         "rounds": state["rounds"],
         "held_out_ids": state["held_out_ids"],
         "seed": config.seed,
@@ -211,9 +253,21 @@ def boost(config: BoostConfig, out: Path) -> dict[str, Any]:
     if config.needs_distributions and targets is not None:
         identity["targets"] = targets.identity()
     state = load_state(out, identity, held_ids)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+
+    def persist() -> None:
+        if main_process:
+            write_json_atomic(out / STATE_FILE, state)
+            write_outputs(config, state, out, targets)
+
+    if config.boost_mode == "specialists":
+        run = SpecialistRun(
+            config, out, tokenizer, ssm_config, train_rows, held, targets, main_process, persist
+        )
+        run.run(state)
+        return write_outputs(config, state, out, targets) if main_process else {}
     removed = set(state["removed"])
     masked = {int(k): set(v) for k, v in state["masked"].items()}
-    main_process = int(os.environ.get("RANK", "0")) == 0
     sampled = config.boost_mode == "sampled"
     pool: HeldOutPool | None = None  # held-out positions any SSM so far predicts / accepts
     pool_train: dict[int, torch.Tensor] | None = None  # sampled mode: the pool's training acceptance
@@ -278,9 +332,7 @@ def boost(config: BoostConfig, out: Path) -> dict[str, Any]:
         state["rounds"].append(r)
         state["removed"] = sorted(removed)
         state["masked"] = {str(k): sorted(v) for k, v in masked.items() if v}
-        if main_process:
-            write_json_atomic(out / STATE_FILE, state)
-            write_outputs(config, state, out, targets)
+        persist()
         tqdm.write(round_line(config, r))
     return write_outputs(config, state, out, targets) if main_process else {}
 
@@ -307,11 +359,7 @@ def round_line(config: BoostConfig, r: dict[str, Any]) -> str:
 def save_acceptance(path: Path, acceptance: dict[int, torch.Tensor], rows: list[dict[str, Any]]) -> None:
     """The acceptance at every output position of `rows`, in their order, as one float32 array
     (written to a temporary file and renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as file:
-        np.save(file, torch.cat([acceptance[r["id"]] for r in rows]).numpy().astype(np.float32))
-    os.replace(tmp, path)
+    save_array(path, torch.cat([acceptance[r["id"]] for r in rows]).numpy().astype(np.float32))
 
 
 def load_acceptance(path: Path, rows: list[dict[str, Any]]) -> dict[int, torch.Tensor]:
@@ -347,7 +395,27 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
         "--boost-mode",
         choices=BOOST_MODES,
         default="greedy",
-        help="greedy: mark what earlier SSMs reproduce; sampled: weight positions by the pool's 1 - TV",
+        help="greedy: mark what earlier SSMs reproduce; sampled: weight positions by the pool's 1 - TV; "
+        "specialists: split the samples among the SSMs by hard EM on their acceptance",
+    )
+    defaults = {f.name: f.default for f in fields(BoostConfig)}
+    p.add_argument(
+        "--em-rounds",
+        type=int,
+        default=defaults["em_rounds"],
+        help="specialists: EM rounds (each trains every member on its samples, then reassigns them)",
+    )
+    p.add_argument(
+        "--em-feature",
+        choices=EM_FEATURES,
+        default=defaults["em_feature"],
+        help="specialists: the feature k-means clusters to start from (LLM input embeddings of each sample)",
+    )
+    p.add_argument(
+        "--min-share",
+        type=float,
+        default=defaults["min_share"],
+        help="specialists: every member keeps at least this fraction of 1/num-ssms of the samples",
     )
     p.add_argument(
         "--loss",
@@ -360,7 +428,12 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
     p.add_argument("--held-out-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps per round (overrides epochs)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=-1,
+        help="optimizer steps per SSM (overrides epochs); specialists split them over the EM rounds",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum-steps", type=int, default=1)
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -379,6 +452,9 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
         marking=a.marking,
         span_depth=a.span_depth,
         boost_mode=a.boost_mode,
+        em_rounds=a.em_rounds,
+        em_feature=a.em_feature,
+        min_share=a.min_share,
         loss=a.loss,
         mix_weight=a.mix_weight,
         chain=a.chain,

@@ -33,9 +33,12 @@ def fit(prompt: list[int], output: list[int], max_len: int | None) -> tuple[list
 
 
 def load_rows(distilled: str) -> list[dict[str, Any]]:
-    """id, prompt_ids, output_ids (and prompt_id where distill recorded one) of the kept rows."""
+    """id, prompt_ids, output_ids (and prompt_id and source where distill recorded them) of the
+    kept rows. The source (which prompt set a row came from) is for reports only: no training
+    choice may read it, so that a run behaves the same on data without it."""
     data = load_distilled(distilled)
-    columns = ["id", "prompt_ids", "output_ids"] + (["prompt_id"] if "prompt_id" in data.column_names else [])
+    optional = [c for c in ("prompt_id", "source") if c in data.column_names]
+    columns = ["id", "prompt_ids", "output_ids", *optional]
     rows = data.select_columns(columns).to_list()
     rows = [r for r in rows if r["prompt_ids"] and r["output_ids"]]
     if not rows:

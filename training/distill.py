@@ -2,6 +2,7 @@
 
     python -m specboost.training.distill --llm artifacts/reference-llm/tiny/model --prompts gsm8k \\
         --out artifacts/distill/tiny-gsm8k --max-new-tokens 128 --batch-size 16
+    python -m specboost.training.distill --llm ... --prompts tinystories_openings:60,eagle_qa,gsm8k:40
     accelerate launch --multi_gpu --num_processes 2 -m specboost.training.distill ...   # split over processes
 
 `--multi_gpu` starts the processes through torchrun, also on a machine without GPUs: then every
@@ -11,6 +12,18 @@ unless MPI is set up). Each process generates its own share of the pending promp
 Only the TRAIN split of the prompt set is used (`load_prompt_splits`; the held-out prompts stay
 unseen for evaluation). The LLM (p) continues each prompt with `model.generate`, batched with left
 padding, greedily or with the sampling settings that will be served.
+
+Several domains: `--prompts` takes a comma-separated list of sets (bundled names or files), each
+`SET` or `SET:N`. Every set is split into train / held-out by itself, exactly as a run of it alone
+(and an evaluation loading it alone) splits it, so no held-out prompt of any set is distilled;
+`:N` then keeps at most N of the set's train prompts (a seeded sample: the split is shuffled),
+leaving its held-out part as it is. A train prompt that another set holds out or already trains
+on is dropped (sets may overlap). The train splits are distilled together. Every row says its
+set in `source` (the bundled name as given, or the file's stem; a single set's rows have it too).
+Prompt ids stay unique: each set's are offset by the id ranges of the sets before it (the first
+set keeps its own, so a single-set run is the run it always was and old runs resume).
+`--prompt-field` / `--answer-field` apply to every set; `--max-prompts` caps each set before its
+split. Without `--out` the run goes to artifacts/distill/<name>, names joined with "+" for a list.
 
 OUT gets `run.json` (the settings the shards belong to), `shards/` (Parquet, one file per
 `shard_size` prompts, each written to a temporary file and renamed, so a shard exists only
@@ -33,20 +46,24 @@ from; a greedy run records the one sampling at `--temperature` / `--top-p` would
 change nothing else in a greedy run). K larger than the vocabulary is clamped with a notice.
 metadata.json reports the settings and the storage per output token.
 
-Rows: id, prompt_id, sample, prompt, prompt_ids, output_ids, output (text), finish_reason ("eos" |
-"length"), answer when the prompt set has reference answers, and with `--top-k-probs` the columns
+Rows: id, prompt_id, sample, source, prompt, prompt_ids, output_ids, output (text), finish_reason
+("eos" | "length"), answer when a prompt set has reference answers (None for a set without them
+in a list), and with `--top-k-probs` the columns
 top_k_ids (int32), top_k_probs (float16), tail_prob (float32), one entry per output token.
-`load_distilled(out)` gives the kept rows.
+`load_distilled(out)` gives the kept rows. metadata.json lists the sets (`prompt_sets`: name, cap,
+id offset, source) and their counts (`counts.sources`: prompts, rows, kept, filtered by filter).
 
 Filters (applied when merging, so they can change without regenerating; counts in metadata):
 empty output, `--drop-truncated` (finish_reason "length"), degenerate repetition (a block of up
 to `repeat_max_ngram` tokens repeated `repeat_min_count` times in a row), and a wrong final
-number where the prompt set has GSM8K-style reference answers ("#### 72").
+number where the prompt set has GSM8K-style reference answers ("#### 72"; `--keep-wrong-answers`
+keeps them: a small LLM that cannot do the math still shows the SSMs what it writes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -72,8 +89,8 @@ from specboost.speculator.padding import left_pad
 from specboost.speculator.prompt_sets import (
     BUNDLED_PROMPT_SETS,
     PromptSource,
-    bundled_source,
     load_prompt_splits,
+    named_source,
     tokenize_prompts,
 )
 from specboost.training.run_files import library_versions, write_json_atomic
@@ -96,17 +113,75 @@ FILTERS = ("empty", "truncated", "repetition", "wrong_answer")
 DTYPES = {"auto": "auto", "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Identity values of settings that runs made before the setting existed had (their run.json lacks it)
 OFF = {"top_k_probs": 0, "num_samples": 1}
+# --prompts "SET[:N],SET[:N],...": N caps the set's train prompts
+SET_SEPARATOR = ","
+CAPPED = re.compile(r"(?P<spec>.*\S)\s*:\s*(?P<cap>-?\d+)")
+OUT_NAME_JOIN = "+"  # default run folder of several sets: their names joined, e.g. tinystories_openings+gsm8k
+
+
+@dataclass(frozen=True)
+class PromptSetEntry:
+    """One entry of --prompts: a bundled set's name or a file, and at most how many of its train
+    prompts to distill (None: all of them)."""
+
+    spec: str
+    max_train_prompts: int | None = None
+
+    @property
+    def name(self) -> str:
+        """What the rows' `source` column says: the bundled name as given, else the file's stem."""
+        return self.spec if self.spec in BUNDLED_PROMPT_SETS else Path(self.spec).stem
+
+
+def parse_prompt_sets(prompts: str) -> list[PromptSetEntry]:
+    """The entries of --prompts, "SET[:N],SET[:N],..." (an existing file whose name holds a comma
+    is one set). Refuses empty entries, caps below 1 and a set named twice: each set is split
+    into train / held-out by itself, so it must appear once, with one cap."""
+    if prompts.strip() and Path(prompts).expanduser().exists():
+        return [PromptSetEntry(prompts)]
+    entries = []
+    for part in prompts.split(SET_SEPARATOR):
+        capped = CAPPED.fullmatch(part.strip())
+        spec = (capped["spec"] if capped else part).strip()
+        cap = int(capped["cap"]) if capped else None
+        if not spec:
+            raise ValueError(
+                f"--prompts {prompts!r} has an empty entry: give SET[:N],SET[:N],... without gaps"
+            )
+        if cap is not None and cap < 1:
+            raise ValueError(f"--prompts: the cap of {spec!r} must be at least 1 train prompt, got {cap}")
+        entries.append(PromptSetEntry(spec, cap))
+    names = [entry.name for entry in entries]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(
+            f"--prompts {prompts!r} names the same prompt set more than once ({', '.join(twice)}): "
+            "give each set once (its rows are told apart by the set's name)"
+        )
+    return entries
+
+
+def default_out_name(prompts: str) -> str:
+    """The run folder's name under artifacts/distill: the set's name (a file's stem), for several
+    sets their names joined with "+" (caps left out). The Makefile's `distill_name` is the same."""
+    return OUT_NAME_JOIN.join(entry.name for entry in parse_prompt_sets(prompts))
 
 
 @dataclass(frozen=True)
 class DistillConfig:
     # what to generate (all of these identify a run: a resume must match them)
     llm: str = field(metadata={"help": "any Hugging Face causal LM folder or id"})
-    prompts: str = field(metadata={"help": f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or a file"})
-    prompt_field: str | None = None  # column of the prompt (None: the set's default / auto)
+    prompts: str = field(
+        metadata={
+            "help": f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or a file; several as "
+            "SET[:N],SET[:N],... (N: at most N train prompts of that set)"
+        }
+    )
+    # Both apply to every set of the list (None: each set's own / auto)
+    prompt_field: str | None = None  # column of the prompt
     answer_field: str | None = None  # column of a reference answer (bundled gsm8k: "answer")
     chat_template: bool = False  # render prompts as one user turn with the tokenizer's template
-    max_prompts: int | None = None  # first N distinct prompts, before the train / held-out split
+    max_prompts: int | None = None  # first N distinct prompts of each set, before its split
     held_out_fraction: float = 0.1
     split_seed: int = 0
     max_new_tokens: int = 128
@@ -127,6 +202,8 @@ class DistillConfig:
     drop_truncated: bool = False
     repeat_max_ngram: int = 8  # longest repeated block looked for
     repeat_min_count: int = 6  # consecutive repeats that make an output degenerate (0: off)
+    # an LLM that cannot do the math still shows the SSMs what it writes for math prompts
+    keep_wrong_answers: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
@@ -147,10 +224,18 @@ class DistillConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        parse_prompt_sets(self.prompts)  # a malformed list is refused before anything loads
 
     def identity(self) -> dict[str, Any]:
         """Settings that change what is generated: a resume must match them exactly."""
-        free = {"batch_size", "use_pool", "drop_truncated", "repeat_max_ngram", "repeat_min_count"}
+        free = {
+            "batch_size",
+            "use_pool",
+            "drop_truncated",
+            "repeat_max_ngram",
+            "repeat_min_count",
+            "keep_wrong_answers",
+        }
         settings = {k: v for k, v in asdict(self).items() if k not in free}
         if not self.do_sample:
             settings.pop("seed")
@@ -163,8 +248,25 @@ class DistillConfig:
 # ---------------------------------------------------------------- setup: prompts, model
 
 
-def prompt_source(config: DistillConfig) -> PromptSource:
-    """A bundled set by name, else a file / hub dataset."""
+@dataclass(frozen=True)
+class PromptSet:
+    """One set of the run, loaded and split by itself (as an evaluation holding out the same split
+    of the set does); only its (capped) train prompts are distilled."""
+
+    entry: PromptSetEntry
+    source: PromptSource
+    train: Dataset  # id (the record's row in the set), prompt (and answer), after the cap
+    train_available: int  # train prompts before the cap (and after dropping overlaps)
+    held_out: int
+    overlapping: int  # train prompts dropped: held out by another set, or trained from an earlier one
+    # Added to the set's prompt ids, so that row ids stay unique over the sets: the sum of the id
+    # ranges of the sets before it (0 for the first, so a single-set run keeps its ids).
+    id_offset: int
+
+
+def prompt_sources(config: DistillConfig) -> list[tuple[PromptSetEntry, PromptSource]]:
+    """Each entry's source: a bundled set by name, else a file / hub dataset. The same file named
+    twice (by its bundled name and its path, say) is refused."""
     overrides: dict[str, Any] = {
         "max_prompts": config.max_prompts,
         "chat_template": config.chat_template,
@@ -175,9 +277,74 @@ def prompt_source(config: DistillConfig) -> PromptSource:
         overrides.update(prompt_field=config.prompt_field, prompt_template=None)
     if config.answer_field is not None:
         overrides["answer_field"] = config.answer_field
-    if config.prompts in BUNDLED_PROMPT_SETS:
-        return bundled_source(config.prompts, **overrides)
-    return PromptSource(config.prompts, **overrides)
+    sources = [(entry, named_source(entry.spec, **overrides)) for entry in parse_prompt_sets(config.prompts)]
+    seen: dict[Path, str] = {}
+    for entry, source in sources:
+        path = Path(source.path).expanduser().resolve()
+        if path.exists() and seen.setdefault(path, entry.spec) != entry.spec:
+            raise ValueError(
+                f"--prompts names the same prompt set twice: {seen[path]!r} and {entry.spec!r} are both "
+                f"{path}"
+            )
+    return sources
+
+
+def load_prompt_sets(config: DistillConfig, tokenizer: PreTrainedTokenizerBase) -> list[PromptSet]:
+    """Every set of --prompts split into train / held-out by itself (`load_prompt_splits`), its
+    train split cut to the entry's cap (the split is seeded and shuffled, so that is a seeded
+    sample, and the held-out part is the same as without the cap). An error names its set.
+
+    Sets may share prompts (bundled `bench` is part of `vicuna_bench`): a train prompt that another
+    set holds out, or that an earlier set already trains on, is dropped, so no set's held-out
+    split is ever distilled and no prompt twice. Within one set the split already guarantees it."""
+    loaded = []
+    for entry, source in prompt_sources(config):
+        try:
+            loaded.append((entry, source, load_prompt_splits(source, tokenizer)))
+        except (ValueError, FileNotFoundError) as error:
+            raise type(error)(f"prompt set {entry.name!r}: {error}") from error
+    taken = {prompt for *_, splits in loaded for prompt in splits["held_out"]["prompt"]}
+    sets, offset = [], 0
+    for entry, source, splits in loaded:
+        train = splits[SPLIT]
+        fresh = [i for i, prompt in enumerate(train["prompt"]) if prompt not in taken]
+        if not fresh:
+            raise ValueError(
+                f"prompt set {entry.name!r}: every train prompt is held out or trained by another set of "
+                "--prompts; leave one of them out"
+            )
+        cap = len(fresh) if entry.max_train_prompts is None else min(entry.max_train_prompts, len(fresh))
+        distilled = train.select(fresh[:cap])
+        taken.update(distilled["prompt"])
+        sets.append(
+            PromptSet(
+                entry=entry,
+                source=source,
+                train=distilled,
+                train_available=len(fresh),
+                held_out=len(splits["held_out"]),
+                overlapping=len(train) - len(fresh),
+                id_offset=offset,
+            )
+        )
+        offset += max(max(splits[split]["id"]) for split in splits) + 1
+    return sets
+
+
+def train_prompts(sets: list[PromptSet]) -> Dataset:
+    """The train prompts of every set as one table: id (offset), prompt, answer (None for a set
+    without answers, when another set has them) and source (the set's name)."""
+    with_answers = any("answer" in s.train.column_names for s in sets)
+    columns: dict[str, list[Any]] = {"id": [], "prompt": [], **({"answer": []} if with_answers else {})}
+    columns["source"] = []
+    for s in sets:
+        n = len(s.train)
+        columns["id"] += [i + s.id_offset for i in s.train["id"]]
+        columns["prompt"] += s.train["prompt"]
+        if with_answers:
+            columns["answer"] += s.train["answer"] if "answer" in s.train.column_names else [None] * n
+        columns["source"] += [s.entry.name] * n
+    return Dataset.from_dict(columns)
 
 
 def load_llm(config: DistillConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -364,7 +531,11 @@ def filter_reason(row: dict[str, Any], config: DistillConfig) -> str:
     if repeated_block(content, config.repeat_max_ngram, config.repeat_min_count):
         return "repetition"
     answer = row.get("answer") or ""
-    if "####" in answer and final_number(row["output"]) != final_number(answer):
+    if (
+        not config.keep_wrong_answers
+        and "####" in answer
+        and final_number(row["output"]) != final_number(answer)
+    ):
         return "wrong_answer"
     return ""
 
@@ -372,22 +543,25 @@ def filter_reason(row: dict[str, Any], config: DistillConfig) -> str:
 # ---------------------------------------------------------------- merge, metadata
 
 
-def merge(out: Path, expected_ids: list[int], config: DistillConfig) -> tuple[Dataset, dict[str, int]]:
-    """All shards as one table with one row per (prompt, sample), its prompt id, sample index and
-    filter; written to OUT/data.parquet. Arrow throughout, so the stored distributions keep their
-    compact types."""
+def merge(out: Path, expected: dict[int, str], config: DistillConfig) -> Dataset:
+    """All shards as one table with one row per (prompt, sample) of `expected` (row id -> its
+    prompt set), its prompt id, sample index, source and filter; written to OUT/data.parquet.
+    The source comes from `expected`, not the shards, so shards of runs made before the column
+    existed merge too. Arrow throughout, so the stored distributions keep their compact types."""
     table = pa.concat_tables(shard_tables(out), promote_options="default")
     first: dict[int, int] = {}
     for index, row_id in enumerate(table.column("id").to_pylist()):
         first.setdefault(row_id, index)  # duplicates cannot arise from complete shards; be safe
-    missing = set(expected_ids) - first.keys()
+    missing = expected.keys() - first.keys()
     assert not missing, f"{len(missing)} rows have no output (e.g. {sorted(missing)[:5]})"
-    ordered = sorted(expected_ids)
+    ordered = sorted(expected)
     table = table.take(pa.array([first[i] for i in ordered], type=pa.int64()))
-    table = table.drop_columns([c for c in ("prompt_id", "sample") if c in table.column_names])
+    derived = ("prompt_id", "sample", "source")
+    table = table.drop_columns([c for c in derived if c in table.column_names])
     n = config.num_samples
     table = table.add_column(1, "prompt_id", pa.array([i // n for i in ordered], type=pa.int64()))
     table = table.add_column(2, "sample", pa.array([i % n for i in ordered], type=pa.int64()))
+    table = table.add_column(3, "source", pa.array([expected[i] for i in ordered], type=pa.string()))
     light = ("output_ids", "output", "finish_reason", "answer")
     filters = [
         filter_reason(row, config)
@@ -397,13 +571,38 @@ def merge(out: Path, expected_ids: list[int], config: DistillConfig) -> tuple[Da
     tmp = out / f".{DATA_FILE}.tmp-{os.getpid()}"
     pq.write_table(table, tmp)
     os.replace(tmp, out / DATA_FILE)
-    counts = {name: filters.count(name) for name in FILTERS}
-    return Dataset(table), counts
+    return Dataset(table)
+
+
+def filter_counts(filters: list[str]) -> dict[str, int]:
+    """Rows dropped by each filter (every filter named, also at 0, so reports line up)."""
+    return {name: filters.count(name) for name in FILTERS}
+
+
+def source_counts(sets: list[PromptSet], prompts: Dataset, merged: Dataset) -> dict[str, dict[str, Any]]:
+    """Per prompt set: its prompts, and its rows kept and filtered (by filter)."""
+    truncated = [name for name, cut in zip(prompts["source"], prompts["truncated"], strict=True) if cut]
+    counts = {}
+    for s in sets:
+        name = s.entry.name
+        filters = [f for source, f in zip(merged["source"], merged["filter"], strict=True) if source == name]
+        counts[name] = {
+            "train_prompts": len(s.train),
+            "train_available": s.train_available,
+            "held_out_prompts": s.held_out,
+            "overlapping_prompts": s.overlapping,
+            "truncated_prompts": truncated.count(name),
+            "rows": len(filters),
+            "kept": filters.count(""),
+            "filtered": filter_counts(filters),
+        }
+    return counts
 
 
 def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> Dataset:
     """The distilled rows of a finished run: one per kept (prompt, sample) (all with keep_filtered),
-    with the stored distributions' columns when the run recorded them."""
+    with each row's prompt set (`source`) and the stored distributions' columns when the run
+    recorded them. A run finished before `source` existed gets it from its metadata.json."""
     path = Path(out) / DATA_FILE
     if not path.is_file():
         raise FileNotFoundError(
@@ -412,7 +611,20 @@ def load_distilled(out: str | os.PathLike[str], keep_filtered: bool = False) -> 
     ds = Dataset(pq.read_table(path))
     if len(set(ds["id"])) != len(ds):
         raise RuntimeError(f"{path} holds duplicate row ids: regenerate it")
+    source = None if "source" in ds.column_names else single_set_name(Path(out))
+    if source is not None:
+        ds = ds.add_column("source", [source] * len(ds))
     return ds if keep_filtered else ds.filter(lambda reason: reason == "", input_columns="filter")
+
+
+def single_set_name(out: Path) -> str | None:
+    """The one prompt set of a run made before rows had a `source` (such runs took one set), from
+    its metadata.json; None when there is none to read (data written by other tools)."""
+    try:
+        entries = parse_prompt_sets(json.loads((out / METADATA_FILE).read_text())["config"]["prompts"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return entries[0].name if len(entries) == 1 else None
 
 
 # ---------------------------------------------------------------- run
@@ -431,13 +643,12 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     pool = (
         None if config.use_pool is None else load_pool(config.use_pool, model, tokenizer, accelerator.device)
     )
-    source = prompt_source(config)
     with accelerator.main_process_first():  # one process fills the datasets cache, the others read it
-        splits = load_prompt_splits(source, tokenizer)
+        sets = load_prompt_sets(config, tokenizer)
     context = context_length(model)
     budget = (context - config.max_new_tokens) if context else 1 << 30
     tokenized = tokenize_prompts(
-        splits[SPLIT], tokenizer, budget, add_special_tokens=not config.chat_template
+        train_prompts(sets), tokenizer, budget, add_special_tokens=not config.chat_template
     )
     config, processors = check_distributions(config, model, tokenizer, tokenized.dataset, accelerator)
     if accelerator.is_main_process:
@@ -452,9 +663,10 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         per_prompt = f" x {config.num_samples} samples" if config.num_samples > 1 else ""
+        per_set = ", ".join(f"{s.entry.name} {len(s.train)}" for s in sets)
         print(
-            f"[distill] {len(tokenized.dataset)} train prompts{per_prompt}, {len(done)} rows done, "
-            f"{len(pending)} to generate"
+            f"[distill] {len(tokenized.dataset)} train prompts ({per_set}){per_prompt}, {len(done)} rows "
+            f"done, {len(pending)} to generate"
         )
     model.to(accelerator.device)
     generator = model if pool is None else SpeculativeDecoder(model, pool, tokenizer)
@@ -467,7 +679,8 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
         return {}
 
     # 3. Merge to one row per (prompt, sample), apply the filters, record what was done.
-    merged, counts = merge(out, rows["id"], config)
+    merged = merge(out, dict(zip(rows["id"], rows["source"], strict=True)), config)
+    counts = filter_counts(merged["filter"])
     tokens = sum(len(o) for o in merged["output_ids"])
     metadata = {
         "llm": config.llm,
@@ -484,12 +697,20 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             "padding": "left",
         },
         "config": asdict(config),
-        "prompt_source": asdict(source),
+        "prompt_sets": [
+            {
+                "name": s.entry.name,
+                "max_train_prompts": s.entry.max_train_prompts,
+                "id_offset": s.id_offset,
+                "source": asdict(s.source),
+            }
+            for s in sets
+        ],
         "split": SPLIT,
         "counts": {
-            "train_prompts": len(splits[SPLIT]),
+            "train_prompts": len(tokenized.dataset),
             "samples_per_prompt": config.num_samples,
-            "held_out_prompts": len(splits["held_out"]),
+            "held_out_prompts": sum(s.held_out for s in sets),
             "truncated_prompts": tokenized.num_truncated,
             "max_prompt_tokens": budget if context else None,
             "generated_this_run": len(pending),
@@ -503,6 +724,7 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
             "tokens_generated_this_run": sum(
                 len(o) for i, o in zip(merged["id"], merged["output_ids"], strict=True) if i not in done
             ),  # every process's, read back from the shards
+            "sources": source_counts(sets, tokenized.dataset, merged),
         },
         "distributions": distributions_metadata(config, processors, out, tokens),
         "processes": accelerator.num_processes,
@@ -512,6 +734,9 @@ def distill(config: DistillConfig, out: Path) -> dict[str, Any]:
     write_json_atomic(out / METADATA_FILE, metadata)
     c, d = metadata["counts"], metadata["distributions"]
     print(f"[distill] {c['rows']} rows, {c['kept']} kept, filtered {counts}: {out / DATA_FILE}")
+    if len(sets) > 1:
+        kept = ", ".join(f"{name} {n['kept']} of {n['rows']}" for name, n in c["sources"].items())
+        print(f"[distill] kept per prompt set: {kept}")
     if d is not None:
         print(
             f"[distill] distributions: top-{d['top_k']} of p at temperature {d['temperature']} "
@@ -586,11 +811,26 @@ def expand_samples(prompts: Dataset, num_samples: int) -> Dataset:
 def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
     p = argparse.ArgumentParser(description="Generate distillation data: the LLM's continuations of prompts.")
     p.add_argument("--llm", required=True, help="Hugging Face causal LM folder or id")
-    p.add_argument("--prompts", required=True, help=f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or file")
-    p.add_argument("--prompt-field", default=None)
-    p.add_argument("--answer-field", default=None, help="reference answers ('#### n') for the answer check")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        metavar="SET[:N],...",
+        help=f"bundled set ({', '.join(BUNDLED_PROMPT_SETS)}) or file; several, comma-separated, are "
+        "each split into train / held-out by itself and their train splits mixed (rows say their set "
+        "in `source`); SET:N distills at most N train prompts of SET",
+    )
+    p.add_argument("--prompt-field", default=None, help="prompt column, for every set (default: each set's)")
+    p.add_argument(
+        "--answer-field", default=None, help="reference answers ('#### n') for the answer check, every set"
+    )
     p.add_argument("--chat-template", action="store_true")
-    p.add_argument("--out", type=Path, default=None, help="run folder (default artifacts/distill/<prompts>)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="run folder (default artifacts/distill/<set name or file stem>; several sets: the names "
+        f"joined with {OUT_NAME_JOIN!r})",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
@@ -624,15 +864,23 @@ def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
         help="store the top-K probabilities of p and the tail mass per output token (default 64; 0: off)",
     )
     p.add_argument("--shard-size", type=int, default=256)
-    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument(
+        "--max-prompts", type=int, default=None, help="first N distinct prompts of each set, before its split"
+    )
     p.add_argument("--held-out-fraction", type=float, default=0.1)
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     p.add_argument("--drop-truncated", action="store_true", help="drop outputs cut at max-new-tokens")
     p.add_argument("--repeat-max-ngram", type=int, default=8)
     p.add_argument("--repeat-min-count", type=int, default=6, help="0 turns the repetition filter off")
+    p.add_argument(
+        "--keep-wrong-answers",
+        action="store_true",
+        help="keep outputs whose final number misses the reference answer (an LLM that cannot do the "
+        "math still shows the SSMs what it writes)",
+    )
     a = p.parse_args(argv)
-    out = a.out or Path("artifacts") / "distill" / Path(a.prompts).stem
+    out = a.out or Path("artifacts") / "distill" / default_out_name(a.prompts)
     config = DistillConfig(
         llm=a.llm,
         prompts=a.prompts,
@@ -656,6 +904,7 @@ def parse_args(argv: list[str] | None) -> tuple[DistillConfig, Path]:
         drop_truncated=a.drop_truncated,
         repeat_max_ngram=a.repeat_max_ngram,
         repeat_min_count=a.repeat_min_count,
+        keep_wrong_answers=a.keep_wrong_answers,
     )
     return config, out
 

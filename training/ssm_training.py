@@ -21,13 +21,20 @@ from specboost.training.distribution_loss import position_losses
 from specboost.training.reference_llm import last_checkpoint
 
 
+def planned_steps(config: BoostConfig, examples: int) -> int:
+    """The optimizer steps one round takes on `examples`: max_steps, else epochs over them."""
+    if config.max_steps > 0:
+        return config.max_steps
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_epoch = math.ceil(examples / (config.batch_size * config.grad_accum_steps * world))
+    return math.ceil(config.epochs * per_epoch)
+
+
 def training_arguments(
     config: BoostConfig, checkpoints: Path, round_index: int, examples: int
 ) -> TrainingArguments:
     cuda = torch.cuda.is_available()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_epoch = math.ceil(examples / (config.batch_size * config.grad_accum_steps * world))
-    total = config.max_steps if config.max_steps > 0 else math.ceil(config.epochs * per_epoch)
+    total = planned_steps(config, examples)
     bf16 = cuda and torch.cuda.is_bf16_supported()
     return TrainingArguments(
         output_dir=str(checkpoints),
@@ -124,11 +131,16 @@ def train_round(
     tokenizer: PreTrainedTokenizerBase,
     out: Path,
     temperature: float | None = None,
+    *,
+    checkpoints: Path | None = None,
+    final: Path | None = None,
 ) -> tuple[int, float | None]:
-    """Train (or resume) one SSM and save it to OUT/ssm-<i>; returns (steps, final logged loss).
-    Examples with weights or stored distributions (an ExampleSet) train with DistributionTrainer
-    (q at `temperature`, the one p was recorded at); plain ones with the model's own loss."""
-    checkpoints = out / f"round-{round_index}" / "checkpoints"
+    """Train (or resume) one SSM and save it to `final` (default OUT/ssm-<i>), checkpointing in
+    `checkpoints` (default OUT/round-<i>/checkpoints); returns (steps, final logged loss).
+    `round_index` also seeds the data order. Examples with weights or stored distributions (an
+    ExampleSet) train with DistributionTrainer (q at `temperature`, the one p was recorded at);
+    plain ones with the model's own loss."""
+    checkpoints = checkpoints or out / f"round-{round_index}" / "checkpoints"
     resume = last_checkpoint(checkpoints)
     common = dict(
         model=model,
@@ -149,7 +161,7 @@ def train_round(
     else:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    save_ssm(trainer, tokenizer, config.lora, out / f"ssm-{round_index}")
+    save_ssm(trainer, tokenizer, config.lora, final or out / f"ssm-{round_index}")
     if trainer.is_deepspeed_enabled:
         # The DeepSpeed config stays registered with transformers for the whole process; under
         # ZeRO-3 every later from_pretrained would then partition the SSM it loads, and marking

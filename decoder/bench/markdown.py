@@ -1,14 +1,17 @@
 """The harness's Markdown: the table of a cell group's summary rows (ranked, with the speedup per
-category), the suite's report (also the single-file bench's), and what `specboost bench --suite ...
---readme README.md` writes: the whole report into the results page beside the README
-(`results_page`: `<the README's folder>/docs/results.md`) and the headline table into the README."""
+category), the suite's report (also the single-file bench's; with each pool's diversity), and
+what `specboost bench --suite ... --readme README.md` writes: the whole report into the results
+page beside the README (`results_page`: `<the README's folder>/docs/results.md`) and the headline
+table into the README."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+from specboost.decoder.bench.diversity import ALL
 from specboost.decoder.bench.protocol import Report
 from specboost.decoder.bench.records import GREEDY
 from specboost.decoder.bench.summary import (
@@ -33,6 +36,23 @@ RESULTS_PAGE = Path("docs/results.md")
 ALGORITHMS_PAGE = Path("docs/ALGORITHMS.md")  # the metrics' definitions (section 13), linked
 LEARNED_ROWS = (LEARNED, f"{LEARNED}+compiled")  # eager and compiled: the faster is the headline's
 MOST_ACTIONS = 8  # a scheduler's actions named in its line; the rest are summed as "other"
+SINGLE_CHAIN = re.compile(r"chain\[\d+\](\+compiled)?")  # one SSM's chain, eager or compiled
+# Rows set beside the fastest single chain per category (`chains_by_category`): the learned
+# scheduler's compiled row, and any row whose name starts with GENERALIST (a generalist SSM's chain).
+GENERALIST = "generalist"
+LEARNED_COMPILED = LEARNED_ROWS[1]
+DIVERSITY_TEXT = (
+    "Each SSM's argmax chain of length L, teacher-forced along plain greedy decoding's outputs of this "
+    "run (one forward pass per SSM over prompt + output, untimed, after the tables; "
+    "`agreement_runs` in speculator/oracle_router.py, as the `learned+oracle` row): at each output "
+    "position, the match is the number of consecutive drafted tokens equal to the output's next "
+    "tokens, at most L and at most the tokens left. Mean match: its mean over a category's positions. "
+    "Hindsight walk: along each output, a step emits 1 + the match at its position (the matched drafts "
+    "and the LLM's own token) and moves that far on; tokens/step = new tokens / steps, with one SSM "
+    "alone (greedy chain decoding with it) or with the member of longest match at every step (the "
+    "union, chosen in hindsight: also the fewest steps). union / best single: the union's tokens/step "
+    "over the best single member's in that column (decoder/bench/diversity.py)."
+)
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -132,6 +152,78 @@ def markdown_table(table: Table) -> str:
     return "\n".join([*lines, grid(["method", *categories], by_category)])
 
 
+def chains_by_category(table: Table) -> str | None:
+    """Per category and over all, the fastest single-SSM chain row beside `learned+compiled` and
+    every GENERALIST row (what the pool's scheduler and a generalist SSM make of the member that
+    serves each category best), read from the table's timed rows: speedup vs plain and, beside
+    the chain, the row's median tokens/s over the chain's. None without a single-chain row
+    (batch > 1)."""
+    if not any(SINGLE_CHAIN.fullmatch(row.method) for row in table.rows):
+        return None
+    beside = [
+        row.method
+        for row in table.rows
+        if row.method == LEARNED_COMPILED or row.method.startswith(GENERALIST)
+    ]
+    cells = []
+    for category, rows in {**table.per_category, ALL: table.rows}.items():
+        ranked = [row for row in rows if SINGLE_CHAIN.fullmatch(row.method) and row.speedup_vs_plain]
+        chain = max(ranked, key=lambda row: row.speedup_vs_plain.median, default=None)
+        by_name = {row.method: row for row in rows}
+        cells.append(
+            [
+                category,
+                "-" if chain is None else f"`{chain.method}` {chain.speedup_vs_plain.median:.2f}x",
+                *(_beside(by_name[name], chain) for name in beside),
+            ]
+        )
+    lead = (
+        "Per category, the fastest single-SSM chain (`chain[i]`, eager or compiled), beside "
+        f"`{LEARNED_COMPILED}` and any row named `{GENERALIST}...` where they ran: speedup vs plain "
+        "(median over repeats); in brackets, the row's median tokens/s over that chain's."
+    )
+    header = ["category", "fastest single chain", *(f"`{name}`" for name in beside)]
+    return f"{lead}\n\n{grid(header, cells)}"
+
+
+def _beside(row: MethodRow, chain: MethodRow | None) -> str:
+    if row.speedup_vs_plain is None:
+        return "output differs"
+    ratio = (
+        "" if chain is None else f" ({row.tokens_per_second.median / chain.tokens_per_second.median:.2f}x)"
+    )
+    return f"{row.speedup_vs_plain.median:.2f}x{ratio}"
+
+
+def diversity_markdown(diversity: dict[str, dict[str, Any]]) -> list[str]:
+    """Per pool (`diversity.Diversity` as suite.json keeps it), the member x category matrix of
+    mean matches and the hindsight walk's tokens/step, each SSM alone and the union."""
+    lines = [DIVERSITY_TEXT]
+    for name, pool in diversity.items():
+        columns, members = list(pool["positions"]), range(len(pool["mean_match"][ALL]))
+        header = ["", *(f"{column} ({pool['positions'][column]})" for column in columns)]
+        matrix = [[f"SSM {i}", *(f"{pool['mean_match'][c][i]:.2f}" for c in columns)] for i in members]
+        walk = [
+            [f"SSM {i} alone", *(f"{pool['tokens_per_step'][c][i]:.2f}" for c in columns)] for i in members
+        ]
+        walk += [
+            ["union (best member per step)", *(f"{pool['union_tokens_per_step'][c]:.2f}" for c in columns)],
+            ["union / best single", *(f"{pool['union_gain'][c]:.2f}x" for c in columns)],
+        ]
+        lines += [
+            "",
+            f"**{name}** (L = {pool['chain_length']}; {pool['prompts'][ALL]} outputs, output positions in "
+            "brackets): mean match per SSM and category",
+            "",
+            grid(header, matrix),
+            "",
+            "Hindsight walk, tokens/step:",
+            "",
+            grid(header, walk),
+        ]
+    return lines
+
+
 def actions_line(row: MethodRow) -> str:
     """What a scheduler chose how often: its `MOST_ACTIONS` most frequent actions with their share
     of its steps, the rest summed as "other"."""
@@ -218,6 +310,9 @@ def models_line(report: Report) -> str:
     pools = pool(models)
     if "sampled" in models:
         pools = f"greedy rows on the {pools}, sampled rows on the {pool(models['sampled'])}"
+    if "generalist" in models:  # a pool of one SSM
+        generalist = models["generalist"]
+        pools += f", generalist `{generalist['pool']}` ({generalist['parameters']['ssms'][0] / 1e6:.2f}M)"
     if c.prompts is not None:
         workloads = f"Workload: `{c.prompts}`, {c.prompts_per_category or 'all'} prompts"
     else:
@@ -232,7 +327,9 @@ def models_line(report: Report) -> str:
 
 
 def markdown_report(report: Report, level: int = 1, algorithms: str = ALGORITHMS_PAGE.as_posix()) -> str:
-    """The report: machine first, then one table per decoding and batch size, then what was skipped.
+    """The report: machine first, then one table per decoding and batch size (with the fastest
+    single chain per category), then each pool's diversity (`diversity_markdown`), then what was
+    skipped.
     `algorithms`: the link to ALGORITHMS.md from where the report is put."""
     h, all_tables = "#" * level, report.tables()
     wall = f"Suite wall time {report.seconds / 60:.1f} min; {fixture_line(report.fixture)}."
@@ -255,6 +352,8 @@ def markdown_report(report: Report, level: int = 1, algorithms: str = ALGORITHMS
     ]
     for table in all_tables:
         lines += ["", f"{h}# {table.title}", "", markdown_table(table)]
+        if chains := chains_by_category(table):
+            lines += ["", chains]
         if table.batch_size == 1 and "ssm_token_seconds" in report.results:
             lines += ["", draft_cost_line(table, report.results["ssm_token_seconds"])]
         levels = level_cost_line(table) if table.batch_size == 1 else None
@@ -262,6 +361,8 @@ def markdown_report(report: Report, level: int = 1, algorithms: str = ALGORITHMS
             lines += ["", levels]
         if table.title in report.results.get("ssm_tv", {}):
             lines += ["", tv_line(report.results["ssm_tv"][table.title])]
+    if diversity := report.results.get("diversity"):
+        lines += ["", f"{h}# Pool diversity (greedy)", "", *diversity_markdown(diversity)]
     if notes := not_run(report.skipped):
         lines += ["", f"{h}# Not run", "", *notes]
     return "\n".join(lines) + "\n"

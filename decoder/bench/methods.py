@@ -172,11 +172,15 @@ def decoder_method(
     max_new: int,
     decoding: Decoding,
 ) -> Method:
-    """`decoder.generate` on the item (one row, or a ragged batch); its SSM i is `indices[i]`."""
-    seed = decoding.seed if decoding.do_sample else None
+    """`decoder.generate` on the item (one row, or a ragged batch); its SSM i is `indices[i]`.
+    Sampled rows are unseeded requests after seeding torch's global stream, as `llm.generate`'s
+    are: what most requests are (a seeded request may verify differently: the routed scheduler's
+    seeded rows draft argmax chains, ALGORITHMS.md 5.3)."""
 
     def run(batch: BatchEncoding) -> MethodResult:
-        out = decoder.generate(**batch, max_new_tokens=max_new, seed=seed, **decoding.options())
+        if decoding.do_sample:
+            torch.manual_seed(decoding.seed)
+        out = decoder.generate(**batch, max_new_tokens=max_new, **decoding.options())
         stats = getattr(out.stats, "sequences", [out.stats])  # a batch: BatchStats, a DecodeStats per row
         latencies = getattr(out.stats, "latencies", [out.stats.time_total])
         strategy = out.stats.strategy if len(stats) == 1 else batch_choices([s.strategy for s in stats])
@@ -199,11 +203,12 @@ def engine_method(
     run); a row's latency is its request's, from submission to its last token."""
     everyone = list(range(len(models.ssms)))
     decoder = models.decoder(everyone, **kwargs)
-    seed = decoding.seed if decoding.do_sample else None
 
     def run(batch: BatchEncoding) -> MethodResult:
+        if decoding.do_sample:  # unseeded requests, as `decoder_method`'s
+            torch.manual_seed(decoding.seed)
         with Engine(decoder, config) as engine:
-            results = engine.run(unpadded(batch), max_new_tokens=max_new, seed=seed, **decoding.options())
+            results = engine.run(unpadded(batch), max_new_tokens=max_new, **decoding.options())
         stats = [r.stats for r in results]
         latencies = [r.latency for r in results]
         strategy = batch_choices([s.strategy for s in stats])

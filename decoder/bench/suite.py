@@ -10,20 +10,25 @@ file, the single-file bench. Writes suite.json (bench.json), report.md and the p
 
 Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
 and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
-SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`);
-the learned scheduler (eager and compiled) and, greedy, its rule on the true match lengths (the
-hindsight oracle, `learned+oracle`); sampled only, k-sequential verification
-(`pool_chain+kseq`) and three sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the
-drafted tokens of a 3-SSM `pool_chain`). Batch > 1: plain batched `generate` against the pool's
-chains as one ragged batch (BASS, eager and compiled), the pipelined engine (Minions: two groups
-of half the batch) and the learned scheduler, compiled on the ragged batch and eager in the same
+SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`); the
+learned scheduler (eager and compiled) and, greedy, its rule on the true match lengths (the
+hindsight oracle, `learned+oracle`); greedy only, the generalist's chain at the `chain[i]` rows'
+length, eager and compiled (`generalist`, `generalist+compiled`: one SSM trained greedily on the
+pool's data for the whole pool's steps, the baseline a pool must beat; the fixture's, or
+`generalist`; no sampled rows, as it is trained on greedy outputs only); sampled only, k-sequential
+verification (`pool_chain+kseq`) and three sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`:
+the drafted tokens of a 3-SSM `pool_chain`). Batch > 1: plain batched `generate` against the pool's
+chains as one ragged batch (BASS, eager and compiled), the pipelined engine (Minions: two groups of
+half the batch) and the learned scheduler, compiled on the ragged batch and eager in the same
 engine (`learned+engine`). Every table's "vs best fixed" is against its fastest row that is not the
-learned scheduler's, measured in the same run. A method that cannot
-run here is listed under "Not run" with the reason.
+learned scheduler's, measured in the same run. A method that cannot run here is listed under "Not
+run" with the reason.
 
 Sampled rows run on the pool for sampling when there is one (the fixture's, or `sampled_pool`),
 greedy rows on the pool; per sampled cell group the report gives each SSM's measured total
-variation to the LLM (`ssm_tv`).
+variation to the LLM (`ssm_tv`). After the tables, untimed, each pool's diversity on plain greedy
+decoding's outputs (`diversity`, decoder/bench/diversity.py): every SSM's mean match per category
+and the hindsight union's tokens/step against the best single member's.
 """
 
 from __future__ import annotations
@@ -35,14 +40,15 @@ import re
 import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from transformers import BatchEncoding, PreTrainedModel
 
-from specboost.decoder.bench.markdown import fill_readme, markdown_report
+from specboost.decoder.bench.diversity import greedy_outputs, pool_diversity
+from specboost.decoder.bench.markdown import GENERALIST, fill_readme, markdown_report
 from specboost.decoder.bench.methods import (
     STATIC_EAGER,
     Models,
@@ -105,6 +111,7 @@ METHOD_FAMILIES = (
     "learned+compiled",
     "learned+engine",
     "learned+oracle",
+    *(GENERALIST, f"{GENERALIST}+compiled"),
 )
 ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
 BASS = f"chain length by {BatchConfig().length_controller}"  # batches pick one length per step
@@ -126,6 +133,8 @@ class SuiteConfig(Protocol):
     pool: str | None = None  # an exported pool for `llm` (SSMPool.from_pretrained)
     sampled_pool: str | None = None  # with llm and pool: an exported pool serving the sampled rows
     ssms: tuple[str, ...] = ()  # or SSM folders (the single-file bench)
+    # an exported pool of one SSM, the generalist rows' (default: the fixture's generalist export)
+    generalist: str | None = None
     tokenizer: str | None = None  # default: the LLM's
     categories: tuple[str, ...] = tuple(CATEGORIES)  # bundled categories (unless spec_bench or prompts)
     spec_bench: str | None = None  # a Spec-Bench question file: its categories are the workloads
@@ -219,14 +228,21 @@ class SuiteConfig(Protocol):
     def plan(self, artifacts: Path, log: Log) -> Plan:
         """Every cell: batch size x decoding x category, on the fixture's models or the given ones."""
         fixture, llm, pool, sampled = None, self.llm, self.pool, self.sampled_pool
+        generalist = self.generalist
         if llm is None:
             fixture = read_fixture(artifacts, self.fixture)
-            paths = fixture["paths"]  # a build from before the sampling pool has no sampled_export
+            paths = fixture["paths"]  # builds from before the sampling pool or the generalist lack them
             llm, pool, sampled = paths["llm"], paths["export"], paths.get("sampled_export")
+            generalist = generalist or paths.get("generalist_export")
         models = Models.load(
             llm, pool, self.ssms, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device
         )
         samplers = models if sampled is None else models.with_pool(sampled, self.dtype, self.device)
+        generalists = None if generalist is None else models.with_pool(generalist, self.dtype, self.device)
+        if generalists is not None and len(generalists.ssms) != 1:
+            raise ValueError(
+                f"the generalist {generalist} must be a pool of one SSM, not {len(generalists.ssms)}"
+            )
         workloads = {w.category: w for w in self.workloads()}
 
         def items(category: str, size: int) -> list[BatchEncoding] | str:
@@ -245,16 +261,32 @@ class SuiteConfig(Protocol):
             return models.reference_rows(batches, self.max_new_tokens) if low_precision else None
 
         both = {"sampling pool": samplers.ssms, "greedy pool": models.ssms}
-        pools = {"pool": models.ssms} if sampled is None else both  # measured_tv: the SSMs of each
-        plain_rows: dict[tuple[Decoding, int], dict] = {}  # sampled plain decoding's outputs, per item
+        pools = {"pool": models.ssms} if sampled is None else both  # measured_tv, diversity: each's SSMs
+        plain_rows: dict[tuple[Decoding, int], dict] = {}  # plain decoding's outputs, per item
+
+        def diversity(size: int, kept: dict) -> dict[str, Any]:
+            """Each pool's `Diversity` on plain decoding's greedy outputs at batch `size`: the
+            timed runs' own outputs, teacher-forced after every table is measured."""
+            batches = {c: b for c in workloads if not isinstance(b := items(c, size), str)}
+            outputs = greedy_outputs(kept.values(), batches)
+            if not any(outputs.values()):
+                return {}
+            return {
+                name: asdict(pool_diversity(ssms, outputs, self.shapes.chain_length))
+                for name, ssms in pools.items()
+            }
 
         def results(report: Report) -> dict[str, Any]:
             out = {
                 "ssm_tv": {
                     f"{decoding.name}, batch {size}": measured_tv(models.llm, pools, decoding, kept.values())
                     for (decoding, size), kept in plain_rows.items()
+                    if decoding.do_sample
                 }
             }
+            greedy = [(size, kept) for (decoding, size), kept in plain_rows.items() if not decoding.do_sample]
+            if greedy:  # at the smallest batch size: unpadded rows where batch size 1 ran
+                out["diversity"] = diversity(*min(greedy, key=lambda pair: pair[0]))
             if self.methods is None:  # the suite's own rows only: the drafting cost line
                 probe = encode_batches(next(iter(workloads.values())).prompts[:1], models.tokenizer, 1, 16)[0]
                 out["ssm_token_seconds"] = ssm_token_seconds(
@@ -263,16 +295,19 @@ class SuiteConfig(Protocol):
             return out
 
         def method_set(decoding: Decoding, size: int, probe: BatchEncoding) -> MethodSet:
-            """Sampled rows on the sampling pool, keeping plain decoding's outputs (measured_tv)."""
-            made = self.method_set(samplers if decoding.do_sample else models, decoding, size, probe)
-            if decoding.do_sample:
-                made.methods[0] = keeping_rows(made.methods[0], plain_rows.setdefault((decoding, size), {}))
+            """Sampled rows on the sampling pool, keeping plain decoding's outputs (measured_tv, and
+            greedy, the pools' diversity)."""
+            on = samplers if decoding.do_sample else models
+            made = self.method_set(on, decoding, size, probe, generalists)
+            made.methods[0] = keeping_rows(made.methods[0], plain_rows.setdefault((decoding, size), {}))
             return made
 
         settings = [(d, b) for b in self.batch_sizes for d in self.decodings]
         info = models.info(str(llm), str(pool) if pool else list(self.ssms))
         if sampled is not None:
             info["sampled"] = samplers.info(str(llm), str(sampled))
+        if generalists is not None:
+            info["generalist"] = generalists.info(str(llm), str(generalist))
         target = samplers.pool.manifest.get("target_temperature") if samplers.pool else None
         info["notes"] = [
             f"{d.name} rows ran on a pool trained at target_temperature {target:g}, not at "
@@ -286,9 +321,18 @@ class SuiteConfig(Protocol):
             settings, list(workloads), items, method_set, info, reference, fixture=fixture, results=results
         )
 
-    def method_set(self, models: Models, decoding: Decoding, size: int, probe: BatchEncoding) -> MethodSet:
-        """The methods of one decoding and batch size that run here (`build_methods`)."""
-        made = candidates(self, models, decoding, size)
+    def method_set(
+        self,
+        models: Models,
+        decoding: Decoding,
+        size: int,
+        probe: BatchEncoding,
+        generalist: Models | None = None,
+    ) -> MethodSet:
+        """The methods of one decoding and batch size that run here (`build_methods`); the
+        generalist rows on `generalist` (the LLM with a pool of one SSM), listed as not run
+        without one."""
+        made = candidates(self, models, decoding, size, generalist)
         return build_methods({name: make for name, make in made.items() if self.wanted(name)}, probe)
 
     # Writing ----------------------------------------------------------------------------------------
@@ -312,9 +356,12 @@ class SuiteConfig(Protocol):
         return text
 
 
-def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: int) -> dict[str, Any]:
+def candidates(
+    config: SuiteConfig, models: Models, decoding: Decoding, size: int, generalist: Models | None = None
+) -> dict[str, Any]:
     """Every method the suite can run at one decoding and batch size, by name, each built when
-    called; the reference (plain) first."""
+    called; the reference (plain) first. `generalist`: the generalist rows' models (None: those
+    rows raise, and are listed as not run)."""
     max_new, shapes, everyone = config.max_new_tokens, config.shapes, list(range(len(models.ssms)))
     chain, beam = ChainShape(shapes.chain_length), BeamShape(shapes.beam_width, shapes.beam_depth)
     topology = TopologyShape.from_children_counts([list(c) for c in shapes.topology_children])
@@ -322,9 +369,11 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
     def hf(name: str, description: str, compiled: bool = False, **kwargs: Any) -> Any:
         return lambda: generate_method(name, description, models, max_new, decoding, compiled, **kwargs)
 
-    def ours(name: str, description: str, indices: list[int] = everyone, **kwargs: Any) -> Any:
-        decoder = functools.partial(models.decoder, indices, **kwargs)
-        return lambda: decoder_method(name, description, models, decoder(), indices, max_new, decoding)
+    def ours(
+        name: str, description: str, indices: list[int] = everyone, on: Models = models, **kwargs: Any
+    ) -> Any:
+        decoder = functools.partial(on.decoder, indices, **kwargs)
+        return lambda: decoder_method(name, description, on, decoder(), indices, max_new, decoding)
 
     batch = f", batch of {size}, left padding" if size > 1 else ""
     out = {
@@ -365,6 +414,17 @@ def candidates(config: SuiteConfig, models: Models, decoding: Decoding, size: in
         out[f"chain[{i}]+compiled"] = ours(
             f"chain[{i}]+compiled", f"chain[{i}], compiled", [i], shape=chain, compile=True
         )
+    if not decoding.do_sample:  # the generalist is trained on greedy outputs only
+        rows = {
+            GENERALIST: (
+                f"{chain} drafted by the generalist (one SSM trained on all the pool's data)",
+                False,
+            ),
+            f"{GENERALIST}+compiled": (f"{GENERALIST}, compiled", True),
+        }
+        for name, (description, compiled) in rows.items():
+            row = functools.partial(ours, name, description, [0])
+            out[name] = functools.partial(_with_generalist, generalist, row, shape=chain, compile=compiled)
     for i in everyone:
         description = f"{chain} drafted by SSM {i}, Stairs verification"
         out[f"stairs[{i}]"] = ours(f"stairs[{i}]", description, [i], shape=chain, verification="stairs")
@@ -437,6 +497,17 @@ def _with_predictor(models: Models, make: Any) -> Method:
             'strategy="learned" would run the fixed shape'
         )
     return make()
+
+
+def _with_generalist(generalist: Models | None, make: Any, **kwargs: Any) -> Method:
+    """A generalist row (`make` with `kwargs` on the generalist's models), refused without a
+    generalist, which a fixture built before its generalist step lacks."""
+    if generalist is None:
+        raise ValueError(
+            "no generalist SSM: the fixture was built before its generalist step (`make bench` builds "
+            "it), or the models were given without `generalist` (an exported pool of one SSM)"
+        )
+    return make(on=generalist, **kwargs)()
 
 
 def read_fixture(artifacts: Path, name: str) -> dict[str, Any]:
