@@ -31,7 +31,13 @@ from specboost.decoder.verifiers import TreeVerifier, Verifier
 from specboost.speculator.kv_cache import TreeCache, capacity_for
 from specboost.speculator.tree import ChainDraft, TokenTree
 
-CAPACITY_HEADROOM = 64  # positions a group's cache holds beyond its rows' longest text
+# Positions a group's cache holds beyond its rows' final length (their text plus the tokens still
+# wanted). A chain needs none: it is never deeper than the tokens still wanted. A tree holds its
+# nodes beside its depth, so a tree of more than this many extra nodes grows the cache once near the
+# end of a text. Every pass attends over the whole capacity: at batch 8 on short texts a headroom
+# of 64 (capacity 256 where 128 held the text) cost our plain step 0.77x `generate`'s compiled
+# static-cache step, 0.91x without it (docs/results.md).
+CAPACITY_HEADROOM = 16
 
 
 class LoopParts(DecoderParts, Protocol):
