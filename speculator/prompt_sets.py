@@ -410,19 +410,19 @@ def bundled_source(
 
 
 def named_source(name_or_path: str, **overrides: Any) -> PromptSource:
-    """A bundled set by name, else a local file / folder or a hub dataset id ("ORG/NAME").
+    """A bundled set by name, else a local file / folder or a hub dataset id.
 
-    A bare word that is none of these (a misspelt bundled name, most likely) is refused here with
-    the bundled names and the closest one, rather than failing later as an unreachable hub dataset.
-    """
+    A bare word close to a bundled name (a misspelling, most likely) that is no file is refused
+    here, naming that set, rather than failing later as an unreachable hub dataset; any other bare
+    word is a hub id (hub datasets without an organisation exist, e.g. "squad")."""
     if name_or_path in BUNDLED_PROMPT_SETS:
         return bundled_source(name_or_path, **overrides)
-    if not (Path(name_or_path).expanduser().exists() or _looks_local(name_or_path) or "/" in name_or_path):
-        close = difflib.get_close_matches(name_or_path, BUNDLED_PROMPT_SETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    bare = not (Path(name_or_path).expanduser().exists() or _looks_local(name_or_path) or "/" in name_or_path)
+    close = difflib.get_close_matches(name_or_path, BUNDLED_PROMPT_SETS, n=1) if bare else []
+    if close:
         raise ValueError(
-            f"unknown prompt set {name_or_path!r}{hint}: not a bundled set "
-            f"({', '.join(BUNDLED_PROMPT_SETS)}), an existing file or a hub dataset id (ORG/NAME)"
+            f"unknown prompt set {name_or_path!r} (did you mean {close[0]!r}?): not a bundled set "
+            f"({', '.join(BUNDLED_PROMPT_SETS)}), an existing file or a hub dataset id"
         )
     return PromptSource(name_or_path, **overrides)
 

@@ -23,6 +23,7 @@ from specboost.speculator.prompt_sets import (
     dedupe_prompts,
     load_prompt_splits,
     load_prompts,
+    named_source,
     tokenize_prompts,
     train_heldout_split,
 )
@@ -369,3 +370,13 @@ def test_bundled_prompt_set_loads(name: str, cache: str) -> None:
 def test_unknown_bundled_set() -> None:
     with pytest.raises(ValueError, match="choose one of"):
         bundled_source("nope")
+
+
+def test_named_source_refuses_misspelt_bundled_names_but_not_hub_ids() -> None:
+    """A bare word close to a bundled set is a typo (refused, naming the set); other bare words are
+    hub dataset ids, with or without an organisation (a regression: "squad" had been refused)."""
+    assert named_source("gsm8k").path == bundled_source("gsm8k").path
+    assert named_source("squad").path == "squad"
+    assert named_source("rajpurkar/squad").path == "rajpurkar/squad"
+    with pytest.raises(ValueError, match="did you mean 'self_instruct_seed'"):
+        named_source("self_instruct_seed_tasks")
