@@ -66,22 +66,24 @@ class ProfileConfig:
 def _interleaved_medians(
     runs: dict[str, Callable[[], object]], repeats: int, device: torch.device, show_progress: bool
 ) -> dict[str, float]:
-    """Median seconds of every run, timed round-robin (`repeats` rounds after one warm-up round),
-    so that a burst of load on a shared machine spreads over all shapes instead of skewing one."""
+    """Median seconds of every run, timed round-robin (`repeats` rounds), so that a burst of load on
+    a shared machine spreads over all shapes instead of skewing one. Each timing follows an untimed
+    call of the same run (which compiles it, the first time): the run before may be another
+    model's, whose passes leave this one's weights out of the CPU's caches, and that had charged
+    the first run of each model for it (a one-token compiled verify pass of the tiny fixture's LLM
+    measured 3.9 ms, its two-token pass 2.4 ms; a plain step of the decoding loop takes 1.5 ms)."""
     times: dict[str, list[float]] = {key: [] for key in runs}
-    with tqdm(
-        total=(repeats + 1) * len(runs), desc="profiling", unit="run", disable=not show_progress
-    ) as bar:
-        for round_index in range(repeats + 1):
+    with tqdm(total=repeats * len(runs), desc="profiling", unit="run", disable=not show_progress) as bar:
+        for _ in range(repeats):
             for key, run in runs.items():
+                run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
                 run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                if round_index > 0:  # round 0 warms up
-                    times[key].append(time.perf_counter() - start)
+                times[key].append(time.perf_counter() - start)
                 bar.update(1)
     return {key: statistics.median(values) for key, values in times.items()}
 

@@ -53,7 +53,7 @@ class RoutedDrafting:
         self.chains.warm(texts)
         start = time.perf_counter()
         hidden = [row.hidden for row in rows]
-        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts)
+        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, self.chains.behind(texts))
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
         for b, record in enumerate(self.records):
             record.decided(plan.action(b), seconds)

@@ -81,6 +81,16 @@ class BatchedChainDrafter:
             seen.extend(row[:count])
         self._unread = None
 
+    def behind(self, verified: list[list[int]]) -> list[int]:
+        """Per row, about how many tokens its next draft must catch up on first (at least 1): the
+        verified tokens past those its cache holds, counting the drafted tokens it fed last time as
+        held (exact after a step whose draft the LLM accepted whole; fewer than the truth after a
+        rejection), without reading anything back from the device."""
+        unread = [0] * len(self.seen) if self._unread is None else self._unread[1]
+        return [
+            max(1, len(v) - len(seen) - fed) for v, seen, fed in zip(verified, self.seen, unread, strict=True)
+        ]
+
     @torch.no_grad()
     def draft_greedy(self, verified: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Greedy chains without logits processing, kept on the device: [B, L] tokens and each row's

@@ -14,9 +14,12 @@ e_b = max_{i in U} f[b, i, d]; the score is
     score(d, U) = (B + sum_b e_b) / (v L_verify(B, 1 + d) + g sum_{i in U} L_chain(i, n_i, d))
 
 with n_i the rows routed to SSM i, L_verify and L_chain the profile's chain tables at this batch
-size (`CostModel.chain_verify_time`, `chain_draft_table`) and v, g the online cost corrections
-(section 5.2). "No draft" for the whole batch scores B / (v L_verify(B, 1)): plain decoding, so
-the rule never speculates where it expects to lose. Then K = 0 per row: a row whose e_b is worth
+size (`CostModel.chain_verify_time`, `chain_draft_table`) and v, g the online cost corrections of
+drafting steps (section 5.2); on the compiled loop an SSM with a row further behind than one
+compiled catch-up pass takes also pays its eager pass's extra time, shared by the mean drafting
+stretch (`Stretches`; ALGORITHMS.md 5.3, "Catching up"). "No draft" for the whole batch scores
+B / (v_plain L_verify(B, 1)), plain steps' own correction: plain decoding, so the rule never
+speculates where it expects to lose. Then K = 0 per row: a row whose e_b is worth
 less than the drafting time it adds (e_b x seconds < tokens x its marginal L_chain) drafts nothing.
 The verify pass pads every row to the longest chain, so a row's own length only changes the
 drafting. All (d, U) pairs are scored at once: at most `max_subsets` sets U (every subset of a
@@ -27,17 +30,20 @@ length d) and "plain" of (1 + f_i(d)) / (L_verify(1 + d) + L_chain(i, 1, d)).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specboost.speculator.cost_model import CostModel
+from specboost.speculator.kv_cache import COMPILED_MAX_CHAIN, compile_count
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.scheduler import CostCorrection, OnlineCalibration
 
 NO_SSM = -1
 MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
+STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch length's evidence
 
 
 @dataclass
@@ -87,6 +93,7 @@ class ChainRouter:
         self.depths = np.asarray(c.depths)
         self.predictor = predictor
         self._predict = predictor.compiled()
+        self._predict_on_host = predictor.on_host(1)
         start = c.widths.index(1) * len(c.depths)
         self._width_one = slice(start, start + len(c.depths))
         self.cost_model = cost_model
@@ -119,21 +126,42 @@ class ChainRouter:
                 self.num_ssms, 1, tuple(self.depths.tolist()), calibration, torch.device("cpu")
             )
         )
+        self.stretches = Stretches(self.num_ssms)
+        self._compiles = compile_count()
         plain = max(float(self.cost_model.chain_verify_time(1, np.array([1]))[0]), 1e-9)
         cheapest = max(float(self._costs(1)[1][:, 1].min()), 1e-9)
-        self.costs = None if cost_correction is None else CostCorrection(cost_correction, plain, cheapest)
+        # Drafting steps correct (v, g); plain steps their own verify factor: a pass after the
+        # SSMs' passes finds the LLM's weights out of the CPU's caches, a plain step after a plain
+        # step does not, so one factor for both would misprice one of them.
+        self.costs, self.plain_costs = (
+            (None, None)
+            if cost_correction is None
+            else (
+                CostCorrection(cost_correction, plain, cheapest),
+                CostCorrection(cost_correction, plain, cheapest),
+            )
+        )
 
     @property
-    def cost_factors(self) -> tuple[float, float]:
-        return (1.0, 1.0) if self.costs is None else self.costs.factors
+    def cost_factors(self) -> tuple[float, float, float]:
+        """(v, g, v_plain): the verify and drafting factors of drafting steps, the verify factor of
+        plain steps (section 5.2)."""
+        if self.costs is None or self.plain_costs is None:
+            return (1.0, 1.0, 1.0)
+        return (*self.costs.factors, self.plain_costs.factors[0])
 
-    def _costs(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(verify [D + 1] seconds of a plain step, then of every depth; drafting [S, rows + 1, D])."""
+    def _costs(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(verify [D + 1] seconds of a plain step, then of every depth; drafting [S, rows + 1, D];
+        catch-up [S]: what an SSM's drafting of these rows costs more when a row is further behind
+        than one compiled pass takes, its eager pass's cost over its compiled one's, section 5.3)."""
         if rows not in self._tables:
             nodes = np.concatenate([[1], 1 + self.depths])
+            draft = self.cost_model.chain_draft_table(rows, self.compiled)
+            eager = self.cost_model.chain_draft_table(rows, False) if self.compiled else draft
             self._tables[rows] = (
                 self.cost_model.chain_verify_time(rows, nodes, self.compiled),
-                self.cost_model.chain_draft_table(rows, self.compiled),
+                draft,
+                np.maximum(eager[:, rows, 0] - draft[:, rows, 0], 0.0),
             )
         return self._tables[rows]
 
@@ -147,8 +175,12 @@ class ChainRouter:
         states = (
             hidden[0][None] if len(known) == len(hidden) == 1 else torch.stack([hidden[b] for b in known])
         )
-        with torch.no_grad():
-            out = self._predict(states)[..., self._width_one].cpu().numpy()  # [known, S, D]
+        if states.device.type == "cpu":  # numpy: a fraction of torch's per-call dispatch
+            host = states if states.dtype in (torch.float32, torch.float64) else states.float()
+            out = self._predict_on_host(host.numpy())  # [known, S, D]
+        else:
+            with torch.no_grad():
+                out = self._predict(states)[..., self._width_one].cpu().numpy()
         if len(known) == len(hidden):
             return out
         f = np.zeros((len(hidden), *out.shape[1:]), dtype=out.dtype)
@@ -161,39 +193,57 @@ class ChainRouter:
         max_depths: list[int],
         pacing: DecisionPacing | None = None,
         texts: list[list[int]] | None = None,
+        behind: np.ndarray | None = None,
     ) -> ChainPlan:
         """The step's routing for rows with these hidden states (and texts) and tokens still
-        wanted; with `pacing` (the group's), a plain step without deciding when it says so."""
+        wanted; with `pacing` (the group's), a plain step without deciding when it says so.
+        `behind` [B, S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
+        one each, as after a step it drafted)."""
+        self._compiles = compile_count()
         if pacing is not None and not pacing.due():
             return self.plain(max_depths)
         raw = self.predict(hidden, texts)
-        scale = 1.0 if self.calibration is None else self.calibration.depth_scales()  # [S, D]
+        scale = 1.0 if self.calibration is None else self.calibration.depth  # [S, D]
         cap = np.asarray(max_depths, dtype=np.float64)
         f = np.minimum(raw * scale, cap[:, None, None])  # [B, S, D]
-        plan = self.choose(f, raw, cap)
+        plan = self.choose(f, raw, cap, behind)
         if pacing is not None:
             pacing.decided(plan.depth_index < 0)
         return plan
 
-    def choose(self, f: np.ndarray, raw: np.ndarray, cap: np.ndarray) -> ChainPlan:
-        """The rule (module doc) on corrected estimates `f` [B, S, D]."""
+    def choose(
+        self, f: np.ndarray, raw: np.ndarray, cap: np.ndarray, behind: np.ndarray | None = None
+    ) -> ChainPlan:
+        """The rule (module doc) on corrected estimates `f` [B, S, D], rows `behind` [B, S]."""
         rows = f.shape[0]
-        verify, draft = self._costs(rows)
-        v, g = self.cost_factors
+        verify, draft, catch_up = self._costs(rows)
+        v, g, v_plain = self.cost_factors
+        verify_s = verify * v
+        verify_s[0] = verify[0] * v_plain
+        late = np.zeros((rows, self.num_ssms), bool) if behind is None else behind > COMPILED_MAX_CHAIN
+        catch_up_s = late * (g * catch_up / self.stretches.mean)  # [B, S], amortised (module doc)
         route = (
-            self._route_one(f[0], verify, draft, v, g) if rows == 1 else self._route(f, verify, draft, v, g)
+            self._route_one(f[0], verify_s, g * draft, catch_up_s[0])
+            if rows == 1
+            else self._route(f, verify_s, g * draft, catch_up_s)
         )
         plain = ChainPlan(np.full(rows, NO_SSM), [0] * rows, -1, raw[:, 0], cap, (float(verify[0]), 0.0))
         if route is None:
             return plain
-        ssm, d, drafting_s = route
+        ssm, d = route
         length = int(self.depths[d])
         lengths = [min(length, int(c)) if i != NO_SSM else 0 for i, c in zip(ssm, cap, strict=True)]
         ssm[np.asarray(lengths) == 0] = NO_SSM  # rows with no token left to draft
         if not any(lengths):
             return plain
         predicted = raw[np.arange(rows), np.maximum(ssm, 0)]  # [B, D]
-        return ChainPlan(ssm, lengths, int(d), predicted, cap, (float(verify[1 + d]), drafting_s))
+        # What the profile says the drafting costs, eager catch-ups included (charged or not), for
+        # the correction g to compare with the measured seconds (5.2).
+        drafting_s = 0.0
+        for i in {int(i) for i in ssm if i != NO_SSM}:
+            mine = ssm == i
+            drafting_s += draft[i, mine.sum(), d] + catch_up[i] * late[mine, i].any()
+        return ChainPlan(ssm, lengths, int(d), predicted, cap, (float(verify[1 + d]), float(drafting_s)))
 
     def plain(self, max_depths: list[int] | np.ndarray) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing
@@ -209,32 +259,38 @@ class ChainRouter:
 
     @staticmethod
     def _route_one(
-        f: np.ndarray, verify: np.ndarray, draft: np.ndarray, v: float, g: float
-    ) -> tuple[np.ndarray, int, float] | None:
+        f: np.ndarray, verify: np.ndarray, draft: np.ndarray, catch_up: np.ndarray
+    ) -> tuple[np.ndarray, int] | None:
         """One row: the best (SSM, depth) of (1 + f) / seconds [S, D], None if plain is better
-        (the batch rule's value at B = 1, with a few numpy calls: it runs every step)."""
-        score = (1 + f) / (v * verify[1:] + g * draft[:, 1])  # [S, D]
+        (the batch rule's value at B = 1, with a few numpy calls: it runs every step). Costs are
+        corrected: `verify` [D + 1], `draft` [S, 2, D], `catch_up` [S]."""
+        score = (1 + f) / (verify[1:] + draft[:, 1] + catch_up[:, None])  # [S, D]
         i, d = np.unravel_index(score.argmax(), score.shape)
-        if 1 / (v * verify[0]) >= score[i, d]:
+        if 1 / verify[0] >= score[i, d]:
             return None
-        return np.array([i]), int(d), float(draft[i, 1, d])
+        return np.array([i]), int(d)
 
     def _route(
-        self, f: np.ndarray, verify: np.ndarray, draft: np.ndarray, v: float, g: float
-    ) -> tuple[np.ndarray, int, float] | None:
+        self, f: np.ndarray, verify: np.ndarray, draft: np.ndarray, catch_up: np.ndarray
+    ) -> tuple[np.ndarray, int] | None:
         """A batch: the best (depth, SSM set) routing, then K = 0 per row; None if plain is better.
-        Returns each row's SSM (NO_SSM: none), the depth index and the drafting seconds."""
+        Costs are corrected: `verify` [D + 1], `draft` [S, B + 1, D], `catch_up` [B, S] (an SSM's
+        one catch-up pass is eager if any row routed to it is far behind). Returns each row's SSM
+        (NO_SSM: none) and the depth index."""
         rows = f.shape[0]
         masked = np.where(self.subsets[:, None, :, None], f[None], -np.inf)  # [U, B, S, D]
         best = masked.argmax(2)  # [U, B, D] each row's SSM in U
         gain = np.take_along_axis(masked, best[:, :, None], 2)[:, :, 0]  # [U, B, D]
-        routed = (best[..., None] == np.arange(self.num_ssms)).sum(1)  # [U, D, S] rows per SSM
+        mine = best[..., None] == np.arange(self.num_ssms)  # [U, B, D, S]
+        routed = mine.sum(1)  # [U, D, S] rows per SSM
         depth = np.arange(len(self.depths))
         drafting = draft[np.arange(self.num_ssms), routed, depth[None, :, None]].sum(-1)  # [U, D]
+        if catch_up.any():
+            drafting += (mine * catch_up[None, :, None, :]).max(1).sum(-1)
         tokens = rows + gain.sum(1)  # [U, D]
-        score = tokens / (v * verify[1:] + g * drafting)
+        score = tokens / (verify[1:] + drafting)
         u, d = np.unravel_index(score.argmax(), score.shape)
-        if rows / (v * verify[0]) >= score[u, d]:
+        if rows / verify[0] >= score[u, d]:
             return None
         ssm, e = best[u, :, d].copy(), gain[u, :, d]
         counts = routed[u, d].copy()
@@ -242,11 +298,11 @@ class ChainRouter:
         for b in np.argsort(e):  # K = 0 per row: the least promising rows first
             i = ssm[b]
             marginal = draft[i, counts[i], d] - draft[i, counts[i] - 1, d]
-            if e[b] * (v * verify_s + g * drafting_s) >= tokens_kept * g * marginal:
+            if e[b] * (verify_s + drafting_s) >= tokens_kept * marginal:
                 break
             ssm[b], counts[i] = NO_SSM, counts[i] - 1
             tokens_kept, drafting_s = tokens_kept - e[b], drafting_s - marginal
-        return ssm, int(d), drafting_s
+        return ssm, int(d)
 
     def observe(
         self, plan: ChainPlan, accepted: list[int], verify_seconds: float, drafting_seconds: float
@@ -254,7 +310,9 @@ class ChainRouter:
         """Correct the estimates with each drafting row's accepted tokens (5.1) and the costs with
         the step's measured seconds (5.2)."""
         drafting = np.flatnonzero(plan.ssm != NO_SSM) if plan.depth_index >= 0 else ()
-        if self.calibration is not None and len(drafting):
+        if self.calibration is not None and not len(drafting):
+            self.calibration.idle()
+        elif self.calibration is not None:
             self.calibration.observe(
                 plan.ssm[drafting],
                 plan.predicted[drafting],
@@ -262,8 +320,39 @@ class ChainRouter:
                 np.asarray(accepted, dtype=np.float64)[drafting],
                 plan.max_depths[drafting],
             )
-        if self.costs is not None:
+        self.stretches.observe(np.unique(plan.ssm[drafting]) if len(drafting) else ())
+        if self.costs is None or self.plain_costs is None:
+            return
+        if compile_count() != self._compiles:  # the step compiled a graph: its seconds say nothing
+            return
+        if plan.depth_index >= 0:
             self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
+        else:
+            self.plain_costs.update((verify_seconds, 0.0), plan.profiled)
+            self.costs.idle((0, 1))  # so that drafting is tried again (5.2)
+
+
+class Stretches:
+    """How many consecutive steps an SSM drafts once it starts: the mean length of its drafting
+    stretches, over all SSMs, decayed (STRETCH_MOMENTUM) with a prior of one one-step stretch. An
+    SSM that starts drafting after sitting out catches up first, and that pass serves the whole
+    stretch; the rule charges each step its share (section 5.3, "Catching up")."""
+
+    def __init__(self, num_ssms: int) -> None:
+        self.running = [0] * num_ssms  # steps of each SSM's stretch in progress
+        self.total, self.count = 1.0, 1.0  # decayed sums of finished stretches' lengths and number
+        self.mean = 1.0
+
+    def observe(self, drafting: Iterable[int]) -> None:
+        """One step: the SSMs that drafted in it."""
+        drafted = set(int(i) for i in drafting)
+        for i, steps in enumerate(self.running):
+            if i in drafted:
+                self.running[i] = steps + 1
+            elif steps:
+                self.total = STRETCH_MOMENTUM * self.total + steps
+                self.count = STRETCH_MOMENTUM * self.count + 1
+                self.mean, self.running[i] = self.total / self.count, 0
 
 
 class DecisionPacing:

@@ -67,6 +67,12 @@ class CompiledPass:
         return self  # shared, as the model is, by the copies of a speculator (one per sequence of a batch)
 
 
+def compile_count() -> int:
+    """Graphs torch.compile has compiled so far in this process (torch._dynamo's own counter): a
+    step during which it moved measured compiling, not decoding."""
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
 def bucket(n: int) -> int:
     """The smallest power of two >= n (>= 1): a compiled model's rows are padded to it."""
     return 1 << max(0, n - 1).bit_length()
@@ -148,6 +154,7 @@ class TreeCache:
         self.layout = AttentionLayout.of(model)
         self.dtype = model.dtype
         self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.max_capacity = max_capacity(model)
         self.capacity = capacity
         self.lengths: list[int] = [0] * rows  # committed positions per row (host copy)
         self.pending = 0  # nodes fed since the last commit, in every row
@@ -238,13 +245,17 @@ class TreeCache:
         compiled at its rows and capacity (`_warm`). A cache whose growth follows the text, not the
         passes it happens to run, meets the same shapes whichever passes it runs: the routed
         scheduler's drafters (ALGORITHMS.md 5.3) draft on the steps their SSM is chosen, which
-        differ between a warm-up and a timed run of the same prompts. An eager cache: nothing
-        (it grows when a pass needs it)."""
+        differ between a warm-up and a timed run of the same prompts. It runs every step for every
+        drafter, so where its rows and capacity were met (a timed run after its warm-up) it only
+        compares numbers: no K/V allocation pass (an eager pass that its first real pass makes
+        anyway). An eager cache: nothing (it grows when a pass needs it)."""
         if self.compiled is None or not self.rows:
             return
-        positions = min(positions, max_capacity(self.model))
+        positions = min(positions, self.max_capacity)
         if positions > self.capacity:
             self._grow(positions)
+        if (self.physical_rows, self.capacity) in self.compiled.met:
+            return
         if not self.initialized:  # allocate the K/V tensors with one eager pass, as a first pass does
             self._dummy_pass(
                 tree_pass, 1, 1, False, self._counts(self.physical_rows, self.width + self.pending)
@@ -368,10 +379,10 @@ class TreeCache:
 
     def _grow(self, needed: int) -> None:
         """Reallocate to a capacity holding `needed` positions (rows, lengths and pending nodes kept)."""
-        if needed > max_capacity(self.model):
+        if needed > self.max_capacity:
             raise ValueError(
                 f"{needed - self.width} tree nodes after {self.width} cached positions exceed the cache's "
-                f"capacity limit of {max_capacity(self.model)} positions: draft smaller trees"
+                f"capacity limit of {self.max_capacity} positions: draft smaller trees"
             )
         old, self.capacity = self.cache, capacity_for(needed)
         self.cache = FullStaticCache(self.num_layers, self.capacity)

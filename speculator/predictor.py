@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -91,15 +92,20 @@ class MatchLengthPredictor(nn.Module):
         """Expected match lengths, clamped to [0, d]."""
         return self(hidden).clamp_(min=0).minimum(self.max_length)
 
+    def _folded(self) -> tuple[torch.Tensor, ...]:
+        """(w1, b1, w2, b2, w3, b3): the MLP's frozen weights, the input standardisation folded
+        into the first layer."""
+        first, second, last = (layer for layer in self.mlp if isinstance(layer, nn.Linear))
+        w1 = first.weight / self.input_std
+        b1 = first.bias - w1 @ self.input_mean
+        return w1, b1, second.weight.clone(), second.bias.clone(), last.weight.clone(), last.bias.clone()
+
     @torch.inference_mode()
     def compiled(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`predict` for hidden states [..., H] -> [..., num_ssms, widths * depths], with the input
         standardisation folded into the first layer and no module dispatch: the scheduler calls
         it every decoding step, where a few microseconds per op add up. Frozen weights."""
-        first, second, last = (layer for layer in self.mlp if isinstance(layer, nn.Linear))
-        w1 = first.weight / self.input_std
-        b1 = first.bias - w1 @ self.input_mean
-        w2, b2, w3, b3 = second.weight.clone(), second.bias.clone(), last.weight.clone(), last.bias.clone()
+        w1, b1, w2, b2, w3, b3 = self._folded()
         cap = self.max_length.repeat(len(self.config.widths))  # [widths * depths], b major
         ssms = self.config.num_ssms
 
@@ -108,6 +114,30 @@ class MatchLengthPredictor(nn.Module):
             x = F.relu(F.linear(x, w2, b2))
             out = F.linear(x, w3, b3).unflatten(-1, (ssms, -1))
             return torch.minimum(out.clamp_(min=0), cap)
+
+        return predict_states
+
+    @torch.inference_mode()
+    def on_host(self, width: int) -> Callable[[np.ndarray], np.ndarray]:
+        """`predict` of one beam width in numpy: hidden states [..., H] -> [..., num_ssms, depths],
+        frozen weights. The routed scheduler (ALGORITHMS.md 5.3) reads width 1 every step; on a CPU
+        three small matmuls in numpy cost about half of torch's calls (dispatch), and only this
+        width's rows of the last layer are computed."""
+        if width not in self.config.widths:
+            raise ValueError(f"the predictor has no width {width}; its widths are {self.config.widths}")
+        w1, b1, w2, b2, w3, b3 = (t.detach().float().cpu().numpy() for t in self._folded())
+        ssms, depths = self.config.num_ssms, len(self.config.depths)
+        grid = len(self.config.widths) * depths
+        start = self.config.widths.index(width) * depths
+        outputs = (np.arange(ssms)[:, None] * grid + start + np.arange(depths)).ravel()
+        w3t, b3, cap = np.ascontiguousarray(w3[outputs].T), b3[outputs], np.asarray(self.config.depths)
+        w1t, w2t = np.ascontiguousarray(w1.T), np.ascontiguousarray(w2.T)
+
+        def predict_states(hidden: np.ndarray) -> np.ndarray:
+            x = np.maximum(hidden.astype(np.float32, copy=False) @ w1t + b1, 0)
+            x = np.maximum(x @ w2t + b2, 0)
+            out = (x @ w3t + b3).reshape(*x.shape[:-1], ssms, depths)
+            return np.clip(out, 0, cap)
 
         return predict_states
 

@@ -64,6 +64,10 @@ class RoutedChains:
         for drafter in self.drafters:
             drafter.cache.warm_for(positions)
 
+    def behind(self, verified: list[list[int]]) -> np.ndarray:
+        """[B, S] the tokens each SSM must catch each row up on before drafting it (at least 1)."""
+        return np.array([drafter.behind(verified) for drafter in self.drafters]).T
+
     def nothing(self, verified: list[list[int]]) -> ChainDraft:
         """Chains of no token for every row (a plain step)."""
         empty = torch.zeros(len(verified), 0, dtype=torch.long, device=self.drafters[0].model.device)
@@ -87,6 +91,11 @@ class RoutedChains:
 
     def draft(self, verified: list[list[int]], plan: ChainPlan) -> ChainDraft:
         """Every row's chain, on the device (rows drafting nothing: length 0)."""
+        roots = [v[-1] for v in verified]
+        first = int(plan.ssm[0])
+        if first >= 0 and (plan.ssm == first).all():  # one SSM drafts every row (batch 1: always)
+            chains, drafted = self.drafters[first].draft_greedy(verified, list(plan.lengths))
+            return ChainDraft(roots, chains, drafted, first)
         width = max(plan.lengths, default=0)  # 0: a plain step, chains of no token
         tokens = torch.zeros(len(verified), width, dtype=torch.long, device=self.drafters[0].model.device)
         lengths = list(plan.lengths)
@@ -99,7 +108,6 @@ class RoutedChains:
                 lengths[b] = drafted[b]  # fewer past the SSM's context
             rows = torch.as_tensor(mine, device=tokens.device)[:, None]
             tokens[:, : chains.shape[1]] = torch.where(rows, chains, tokens[:, : chains.shape[1]])
-        roots = [v[-1] for v in verified]
         return ChainDraft(roots, tokens, lengths, np.maximum(plan.ssm, 0).tolist())
 
 
@@ -142,7 +150,10 @@ class RoutedScheduler:
     def propose(self, request: DraftRequest) -> TokenTree:
         self.chains.warm([request.verified])
         start = time.perf_counter()
-        self._plan = self.router.plan([request.hidden], [request.max_depth], self.pacing, [request.verified])
+        texts = [request.verified]
+        self._plan = self.router.plan(
+            [request.hidden], [request.max_depth], self.pacing, texts, self.chains.behind(texts)
+        )
         self.record.decided(self._plan.action(0), time.perf_counter() - start)
         start = time.perf_counter()
         probs = request.probs

@@ -95,6 +95,7 @@ class OnlineCalibration:
         self._new_accepted = np.zeros((num_ssms, len(depths) + 1))
         self._new_predicted = np.zeros((num_ssms, len(depths) + 1))
         self._grid: torch.Tensor | None = None
+        self._depth: np.ndarray | None = None
 
     @property
     def grid(self) -> torch.Tensor:
@@ -102,6 +103,13 @@ class OnlineCalibration:
         if self._grid is None:
             self._grid = self.grid_scales()
         return self._grid
+
+    @property
+    def depth(self) -> np.ndarray:
+        """`depth_scales()`, computed once per update, when first asked for (do not modify)."""
+        if self._depth is None:
+            self._depth = self.depth_scales()
+        return self._depth
 
     def ssm_scales(self) -> np.ndarray:
         """s_i [S]: accepted / predicted match of each SSM's drafts, with the prior."""
@@ -173,7 +181,15 @@ class OnlineCalibration:
         self.accepted += accepted
         self.predicted *= decay
         self.predicted += predicted_sums
-        self._grid = None
+        self._grid = self._depth = None
+
+    def idle(self) -> None:
+        """A step that drafted nothing: all evidence ages by IDLE_DECAY, so that scales a stretch of
+        bad drafts pulled down drift back to the prior while nothing drafts, and drafting is tried
+        again (without it, a router that declined after bad text would never draft again)."""
+        self.accepted *= IDLE_DECAY
+        self.predicted *= IDLE_DECAY
+        self._grid = self._depth = None
 
     def _observe_one(self, ssm: int, predicted: np.ndarray, d_index: int, matched: float, cap: float) -> None:
         """`observe` of one draft (every step at batch 1), in plain Python on its SSM's few entries:
@@ -188,7 +204,7 @@ class OnlineCalibration:
                 predicted_sums[d] = predicted_sums[d] * renew + min(float(predicted[d]), cap)
         accepted[-1] = accepted[-1] * renew + matched
         predicted_sums[-1] = predicted_sums[-1] * renew + min(float(predicted[d_index]), cap)
-        self._grid = None
+        self._grid = self._depth = None
 
 
 def check_pool_size(predictor: MatchLengthPredictor, cost_model: CostModel, num_ssms: int) -> None:
@@ -228,13 +244,28 @@ class CostCorrection:
         self.factors = (1.0, 1.0)  # v, g
 
     def update(self, measured: tuple[float, float], profiled: tuple[float, float]) -> tuple[float, float]:
-        """Add one step's (verify, drafting) seconds, measured and as profiled; returns (v, g)."""
+        """Add one step's (verify, drafting) seconds, measured and as profiled; returns (v, g).
+        A step's measured seconds count at most COST_RANGE times its profiled ones: a step that
+        compiled a graph (a process's first steps) measures seconds for milliseconds, and one such
+        step had held a factor at its bound for a hundred steps after."""
         mu, (sums_m, sums_p) = self.momentum, (self.measured, self.profiled)
-        sums_m[0], sums_p[0] = mu * sums_m[0] + measured[0], mu * sums_p[0] + profiled[0]
-        if profiled[1] > 0:
-            sums_m[1], sums_p[1] = mu * sums_m[1] + measured[1], mu * sums_p[1] + profiled[1]
-        else:  # drafted nothing: no drafting evidence, the old fades
-            sums_m[1], sums_p[1] = IDLE_DECAY * sums_m[1], IDLE_DECAY * sums_p[1]
+        low, high = COST_RANGE
+        verify, drafting = (min(max(m, low * p), high * p) for m, p in zip(measured, profiled, strict=True))
+        sums_m[0], sums_p[0] = mu * sums_m[0] + verify, mu * sums_p[0] + profiled[0]
+        if profiled[1] <= 0:  # drafted nothing: no drafting evidence, the old fades
+            return self.idle()
+        sums_m[1], sums_p[1] = mu * sums_m[1] + drafting, mu * sums_p[1] + profiled[1]
+        return self._refresh()
+
+    def idle(self, parts: tuple[int, ...] = (1,)) -> tuple[float, float]:
+        """A step that drafted nothing: the drafting evidence fades (IDLE_DECAY) as in `update`;
+        with `parts=(0, 1)` the verify evidence too (a caller that corrects plain steps apart)."""
+        for part in parts:
+            self.measured[part] *= IDLE_DECAY
+            self.profiled[part] *= IDLE_DECAY
+        return self._refresh()
+
+    def _refresh(self) -> tuple[float, float]:
         low, high = COST_RANGE
         self.factors = tuple(
             min(max((m + p) / (q + p), low), high)

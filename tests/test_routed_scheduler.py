@@ -20,7 +20,8 @@ from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.strategies import StrategyOptions
-from specboost.speculator.chain_router import NO_SSM, ChainRouter, DecisionPacing
+from specboost.speculator import chain_router
+from specboost.speculator.chain_router import NO_SSM, ChainRouter, DecisionPacing, Stretches
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.padding import left_pad
@@ -49,7 +50,7 @@ def objective(router: ChainRouter, f: np.ndarray, ssm: np.ndarray, depth: int) -
     """Expected tokens per second of routing row b to SSM ssm[b] (NO_SSM: none) at grid depth
     `depth`, on the profile's numbers (the rule's objective, computed directly)."""
     rows = len(ssm)
-    verify, draft = router._costs(rows)
+    verify, draft, _ = router._costs(rows)
     drafting = [b for b in range(rows) if ssm[b] != NO_SSM]
     if not drafting:
         return rows / verify[0]
@@ -86,10 +87,10 @@ def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, dra
         + [objective(router, f, np.array([i]), d) for i in range(2) for d in range(2)]
     )
     assert plan_objective(router, f) == pytest.approx(best)
-    verify_s, draft_s = router._costs(1)
+    verify_s, draft_s, _ = router._costs(1)
     one, batch = (
-        router._route_one(f[0], verify_s, draft_s, 1.0, 1.0),
-        router._route(f, verify_s, draft_s, 1.0, 1.0),
+        router._route_one(f[0], verify_s, draft_s, np.zeros(2)),
+        router._route(f, verify_s, draft_s, np.zeros((1, 2))),
     )
     assert (one is None) == (batch is None)  # the batch rule at B = 1 is the one-row rule
     if one is not None:
@@ -127,6 +128,97 @@ def test_nothing_predicted_decodes_plainly_and_rows_turn_off_alone() -> None:
     plan = router.choose(f, f, np.full(8, 100.0))
     assert plan.lengths == [4] * 7 + [0] and plan.ssm.tolist() == [1] * 7 + [NO_SSM]
     assert [plan.action(b) for b in (0, 7)] == ["SSM 1 x4", "plain"]
+
+
+def test_a_row_far_behind_pays_its_eager_catch_up() -> None:
+    """On the compiled loop an SSM whose cache is further behind than a compiled catch-up pass
+    takes (COMPILED_MAX_CHAIN) drafts after an eager pass: its extra cost (the eager table's
+    one-token draft over the compiled one's) is charged, so the router keeps to the SSM that is up
+    to date unless the other's estimate pays for it; rows behind by a few tokens cost nothing."""
+    verify = [[1e-3, 1.2e-3, 1.5e-3], [2e-3, 2.2e-3, 2.5e-3]]
+    compiled_draft = [[[0.1e-3, 0.4e-3], [0.2e-3, 0.5e-3]]] * 2
+    eager_draft = [[[2.1e-3, 2.4e-3], [2.2e-3, 2.5e-3]]] * 2
+    cost = chain_costs(verify, eager_draft)
+    cost.compiled_chain_verify_seconds, cost.compiled_chain_seconds = verify, compiled_draft
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2] * 2), cost, None, None)
+    router.costs_on_compiled_loop(True)
+    assert router._costs(1)[2] == pytest.approx([2e-3, 2e-3])
+    f = np.array([[[0.9, 3.0], [0.9, 3.2]]])  # SSM 1 a little better
+    up_to_date = np.array([[1, 20]])  # SSM 1 sat out 19 steps
+    assert router.choose(f, f, np.array([100.0]), np.array([[1, 2]])).ssm.tolist() == [1]
+    assert router.choose(f, f, np.array([100.0]), up_to_date).ssm.tolist() == [0]
+    much_better = np.array([[[0.2, 0.5], [0.9, 4.0]]])
+    assert router.choose(much_better, much_better, np.array([100.0]), up_to_date).ssm.tolist() == [1]
+    batch = np.repeat(f, 3, 0)  # a batch: one late row makes SSM 1's one catch-up pass eager
+    behind = np.array([[1, 1], [1, 1], [1, 20]])
+    assert router.choose(batch, batch, np.full(3, 100.0), behind).ssm.tolist() == [0, 0, 0]
+    assert router.choose(batch, batch, np.full(3, 100.0), np.ones((3, 2))).ssm.tolist() == [1, 1, 1]
+
+
+def test_a_catch_up_is_shared_by_the_stretch_it_starts() -> None:
+    """The eager catch-up's charge is divided by the mean drafting stretch: after stretches of 5
+    steps an SSM that sat out is charged a fifth of it (section 5.3, "Catching up")."""
+    stretches = Stretches(2)
+    for drafting in ([0], [0], [0], [0], [0], [], [1], []):  # SSM 0: 5 steps; SSM 1: 1 step
+        stretches.observe(drafting)
+    assert stretches.mean == pytest.approx((0.9 * (0.9 * 1 + 5) + 1) / (0.9 * (0.9 + 1) + 1))
+    long = Stretches(1)
+    for _ in range(40):
+        for drafting in ([0],) * 5 + ([],):
+            long.observe(drafting)
+    assert long.mean == pytest.approx(5.0, rel=0.01)
+
+
+def test_declining_lets_the_scales_recover() -> None:
+    """Bad drafts pull an SSM's scale down and the router declines; plain steps age that evidence
+    (IDLE_DECAY), so the scale drifts back to the prior and drafting is tried again, instead of a
+    stretch of bad text turning speculation off for good."""
+    router = ChainRouter(constant_predictor([[[0.9, 3.5]] * 2]), cost_table(1, VERIFY, SPECULATE), 0.9, None)
+    hidden, wanted = [torch.zeros(32)], [1000]
+    for _ in range(10):  # drafts of 4 that match nothing
+        plan = router.plan(hidden, wanted)
+        router.observe(plan, [0], 1e-3, 1e-3)
+    assert plan.action(0) == "plain" and router.calibration.ssm_scales()[0] < 0.5
+    actions = []
+    for _ in range(80):
+        plan = router.plan(hidden, wanted)
+        actions.append(plan.action(0))
+        router.observe(plan, [4 if plan.depth_index >= 0 else 0], 1e-3, 1e-3)
+    assert actions[0] == "plain" and actions[-1] == "SSM 0 x4"
+
+
+def test_a_step_that_compiled_corrects_no_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's first steps compile graphs and measure seconds for milliseconds: a step during
+    which torch.compile compiled corrects no cost (before, 20 s against 1.4 ms held v at its bound
+    for about a hundred drafting steps, and the quick suite's router declined 98% of its steps)."""
+    compiled = [0]
+    monkeypatch.setattr(chain_router, "compile_count", lambda: compiled[0])
+    router = ChainRouter(constant_predictor([[[0.9, 3.5]] * 2]), cost_table(1, VERIFY, SPECULATE), None, 0.9)
+    hidden, wanted = [torch.zeros(32)], [1000]
+    actions = []
+    for step in range(10):
+        plan = router.plan(hidden, wanted)
+        actions.append(plan.action(0))
+        compiled[0] += step == 0  # the first step compiles
+        router.observe(plan, [4], *((20.0, 30.0) if step == 0 else plan.profiled))
+    assert actions == ["SSM 0 x4"] * 10 and router.cost_factors == (1.0, 1.0, 1.0)
+
+
+def test_plain_steps_correct_their_own_cost() -> None:
+    """A plain step measured at half its profiled time moves only the plain factor, and drafting
+    steps only (v, g): a verify pass after the SSMs' passes and one after a plain step cost
+    differently on a CPU (section 5.2)."""
+    router = ChainRouter(
+        constant_predictor([[[0.3, 1.0]] * 2]), cost_table(1, [1e-3] * 5, SPECULATE), None, 0.9
+    )
+    plain = router.plain([60])
+    for _ in range(60):
+        router.observe(plain, [0], plain.profiled[0] / 2, 0.0)
+    v, g, v_plain = router.cost_factors
+    assert (v, g) == (1.0, 1.0) and 0.5 < v_plain < 0.6  # one pseudo-step of prior at 1
+    drafting = router.choose(np.full((1, 1, 2), 4.0), np.full((1, 1, 2), 4.0), np.array([60.0]))
+    router.observe(drafting, [4], 2 * drafting.profiled[0], drafting.profiled[1])
+    assert router.cost_factors[0] > 1.0 and router.cost_factors[2] == v_plain
 
 
 def test_the_router_refuses_a_profile_without_chain_costs_and_a_grid_without_width_one() -> None:
@@ -193,7 +285,7 @@ def test_drafting_much_slower_than_profiled_turns_speculation_off() -> None:
             actions.append(plan.action(0))
             router.observe(plan, [1], plan.profiled[0], 10 * plan.profiled[1])
         assert actions == ["SSM 0 x4"] + (["plain"] * 5 if corrected else ["SSM 0 x4"] * 5)
-    assert router.cost_factors == (1.0, 1.0)  # the uncorrected one
+    assert router.cost_factors == (1.0, 1.0, 1.0)  # the uncorrected one
 
 
 def test_routed_batches_and_the_engine_equal_each_row_alone() -> None:
@@ -234,6 +326,18 @@ def test_profile_measures_chain_tables_at_every_batch_size() -> None:
     assert cost.chain_draft_table(4).shape == (2, 5, 2) and (cost.chain_draft_table(4)[:, 0] == 0).all()
 
 
+def test_a_smaller_pass_never_costs_more_than_a_larger_one() -> None:
+    """A profile whose one-node pass measured slower than its longer chains (noise, or a shape
+    slower alone than in the loop) prices the plain step and every shorter chain at most as the
+    longer ones: the tables are made nondecreasing in size before interpolating."""
+    verify = [[3.9e-3, 1.4e-3, 1.8e-3], [4e-3, 3.7e-3, 4.2e-3]]
+    draft = [[[1.0e-3, 0.9e-3], [1.2e-3, 2e-3]]]
+    cost = chain_costs(verify, draft)
+    assert cost.chain_verify_time(1, np.array([1, 2, 5])) == pytest.approx([1.4e-3, 1.4e-3, 1.8e-3])
+    assert cost.chain_verify_time(8, np.array([1, 2, 5])) == pytest.approx([3.7e-3, 3.7e-3, 4.2e-3])
+    assert cost.chain_draft_table(1)[0, 1] == pytest.approx([0.9e-3, 0.9e-3])
+
+
 def test_unknown_actions_are_refused() -> None:
     with pytest.raises(ValueError, match="actions must be one of 'chains', 'trees'"):
         StrategyOptions(actions="forest")
@@ -262,6 +366,7 @@ def test_a_router_that_declines_decides_rarely(monkeypatch: pytest.MonkeyPatch) 
     step of nine (the output is still the LLM's)."""
     llm = tiny_llama(layers=2, seed=0)
     decoder = routed_decoder(llm, [tiny_llama(layers=1, seed=1)], constant_predictor([[[0.0, 0.0]] * 2]))
+    decoder.speculator.router.costs = None  # a made-up profile: keep its costs (5.2)
     calls = []
     predict = ChainRouter.predict
     monkeypatch.setattr(ChainRouter, "predict", lambda self, *args: calls.append(1) or predict(self, *args))

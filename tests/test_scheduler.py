@@ -24,7 +24,7 @@ from specboost.speculator.cost_model import CostModel, device_key, load_cost_mod
 from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
-from specboost.speculator.scheduler import COST_RANGE, IDLE_DECAY, LearnedScheduler, OnlineCalibration
+from specboost.speculator.scheduler import IDLE_DECAY, LearnedScheduler, OnlineCalibration
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.tree import DraftKind, TokenTree
@@ -81,6 +81,23 @@ def test_predictor_round_trip(tmp_path: Path) -> None:
     assert (loaded.predict(h * 100) <= torch.tensor(config.depths, dtype=torch.float32)).all()  # clamped
     with pytest.raises(FileNotFoundError, match="make predictor"):
         MatchLengthPredictor.from_pretrained(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_host_predictor_equals_predict_at_its_width(dtype: torch.dtype) -> None:
+    """`on_host(width)` (numpy, the routed scheduler's per-step call on a CPU) is `predict` at that
+    width, for hidden states of every dtype the router passes it (bfloat16 through float32)."""
+    config = PredictorConfig(input_size=32, num_ssms=3, hidden_size=16, widths=(1, 2), depths=(1, 4, 8))
+    model = MatchLengthPredictor(config)
+    model.set_input_statistics(torch.randn(50, 32) * 3 + 1)
+    h = (torch.randn(5, 32) * 3).to(dtype)
+    for width in config.widths:
+        expected = model.predict(h.float())[:, :, config.widths.index(width)].numpy()
+        got = model.on_host(width)(h.float().numpy() if dtype == torch.bfloat16 else h.numpy())
+        assert got.shape == (5, 3, 3)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no width 4"):
+        model.on_host(4)
 
 
 def test_training_beats_the_constant_baseline_on_learnable_labels(tmp_path: Path) -> None:
@@ -500,10 +517,12 @@ def timed_step(scheduler: LearnedScheduler, verify_seconds: float) -> list[tuple
 def test_drafting_slower_than_profiled_moves_to_plain_decoding(clock: list[float]) -> None:
     """A profile taken on a quiet machine: here drafting takes 10x its profiled time, verification
     as profiled (a flat 1 ms). On the profile's numbers a (1, 4) chain pays, (1 + 1.0) / 1.4 ms
-    against plain decoding's 1 / 1 ms; at g = 4 (the most COST_RANGE allows) no draft does. After
-    one step the corrected scheduler decodes plainly; without the correction it keeps drafting.
-    While it decodes plainly g's evidence fades (IDLE_DECAY), g = (4 x + 0.1) / (0.4 x + 0.1) with
-    x = 0.95^n, and a (1, 1) draft, which pays at g < 3, is tried again after n = 52 steps."""
+    against plain decoding's 1 / 1 ms. The step counts 4x its profiled drafting at most
+    (COST_RANGE), so g = (1.6 + 0.1) / (0.4 + 0.1) = 3.4 after it (prior p_g = 0.1 ms), where no
+    draft pays: the corrected scheduler decodes plainly; without the correction it keeps drafting.
+    While it decodes plainly g's evidence fades (IDLE_DECAY), g = (1.6 x + 0.1) / (0.4 x + 0.1)
+    with x = 0.95^n, and a (1, 1) draft, which pays at g < 3, is tried again once x < 0.5:
+    after n = 14 steps."""
     predictor = constant_predictor([[[0.3, 1.0], [0.35, 1.1]]])
     cost = cost_table(1, [1e-3] * 5, SPECULATE)
 
@@ -514,14 +533,16 @@ def test_drafting_slower_than_profiled_moves_to_plain_decoding(clock: list[float
     uncorrected = timed_scheduler(clock, predictor, cost, busy, cost_correction=None)
     assert [timed_step(corrected, 1e-3) for _ in range(6)] == [[(1, 4)]] + [[None]] * 5
     assert [timed_step(uncorrected, 1e-3) for _ in range(6)] == [[(1, 4)]] * 6
-    assert corrected.cost_factors == (1.0, COST_RANGE[1])  # verification exactly as profiled
+    assert corrected.cost_factors[0] == 1.0  # verification exactly as profiled
+    x = IDLE_DECAY**5  # five plain steps since the draft
+    assert corrected.cost_factors[1] == pytest.approx((1.6 * x + 0.1) / (0.4 * x + 0.1))
     report = corrected.report()
-    assert len(report["cost_factors"]) == 6 and report["cost_factors"][0] == [1.0, COST_RANGE[1]]
+    assert len(report["cost_factors"]) == 6 and report["cost_factors"][0] == pytest.approx([1.0, 3.4])
     assert uncorrected.report()["cost_factors"] == [] and uncorrected.cost_factors == (1.0, 1.0)
     idle = 5
     while timed_step(corrected, 1e-3) == [None]:
         idle += 1
-    assert corrected.history[-1] == [(1, 1)] and idle == 52
+    assert corrected.history[-1] == [(1, 1)] and idle == 14
 
 
 def test_verification_slower_than_profiled_moves_to_longer_drafts(clock: list[float]) -> None:

@@ -363,15 +363,16 @@ def test_every_fixture_step_keeps_the_command_its_cache_was_built_with() -> None
 
 @pytest.mark.parametrize("suite", ["default", "quick"])
 def test_both_suites_run_the_compiled_rows_and_learned_compiled_at_every_batch_size(suite: str) -> None:
-    """The quick suite has the compiled rows too (its fastest fixed row includes them), and the
-    learned scheduler runs compiled in every table; it is never a fixed speculative row."""
+    """The quick suite has the compiled rows too (its fastest fixed row includes them, and our own
+    loop's plain steps: the routed scheduler's "no draft" action), and the learned scheduler runs
+    compiled in every table; it is never a fixed speculative row."""
     config = SUITES[suite]
     llm = tiny_llama(layers=1, seed=0)
     models = Models(llm, None, [llm, llm])
     for decoding in config.decodings:
         for size in config.batch_sizes:
             names = {name for name in candidates(config, models, decoding, size) if config.wanted(name)}
-            assert {"plain_compiled", "learned+compiled"} <= names, (decoding, size)
+            assert {"plain_compiled", "loop_plain+compiled", "learned+compiled"} <= names, (decoding, size)
             assert ("learned" in names) == ("chain[0]+compiled" in names) == (size == 1)
             assert ("batched+compiled" in names) == (size > 1)
             # the generalist's chain: greedy batch 1 only (it is trained on greedy outputs)

@@ -19,6 +19,7 @@ from specboost.decoder.bench.summary import (
     HF_ASSISTED,
     LATENCY_POINTS,
     LEARNED,
+    LOOP_PLAIN,
     PHASES,
     MethodRow,
     Spread,
@@ -383,9 +384,9 @@ def fastest(table: Table, keep: Any) -> MethodRow | None:
 
 def speculative(method: str) -> bool:
     """A fixed speculative row of this decoder: a fixed row (`summary.fixed`: not the learned
-    scheduler's, eager or compiled, nor an oracle's) but not plain decoding or transformers'
-    assisted generation."""
-    return fixed(method) and method not in BEST_PLAIN and not method.startswith(HF_ASSISTED)
+    scheduler's, eager or compiled, nor an oracle's) but not plain decoding (transformers' or our
+    loop's) or transformers' assisted generation."""
+    return fixed(method) and method not in (*BEST_PLAIN, LOOP_PLAIN) and not method.startswith(HF_ASSISTED)
 
 
 def _speed(row: MethodRow) -> str:

@@ -68,7 +68,7 @@ from specboost.decoder.bench.plots import (
 )
 from specboost.decoder.bench.protocol import Log, Plan, Protocol, Report, build_methods
 from specboost.decoder.bench.records import GREEDY, Decoding, Method, MethodSet
-from specboost.decoder.bench.summary import HF_ASSISTED, PLAIN
+from specboost.decoder.bench.summary import HF_ASSISTED, LOOP_PLAIN, PLAIN
 from specboost.decoder.bench.workloads import (
     CATEGORIES,
     Workload,
@@ -97,6 +97,7 @@ METHOD_FAMILIES = (
         "plain",
         "plain_static",
         "plain_compiled",
+        LOOP_PLAIN,
         "hf_assisted",
         "chain",
         "chain+compiled",
@@ -381,6 +382,13 @@ def candidates(
         "plain_static": hf("plain_static", f"llm.generate{batch}, static cache", **STATIC_EAGER),
         "plain_compiled": hf(
             "plain_compiled", f"llm.generate{batch}, compiled", True, **static_compiled(models.llm.device)
+        ),
+        LOOP_PLAIN: ours(
+            LOOP_PLAIN,
+            f'this decoder\'s loop, speculation off (strategy="plain"){batch}, compiled',
+            [],
+            strategy="plain",
+            compile=True,
         ),
     }
     if size > 1:

@@ -24,6 +24,7 @@ from specboost.decoder.stats import per_token_latency
 
 PLAIN = "plain"  # the reference method of every cell (runs first)
 BEST_PLAIN = (PLAIN, "plain_static", "plain_compiled")  # "vs best plain": the fastest of these
+LOOP_PLAIN = "loop_plain+compiled"  # our loop's plain steps: the routed scheduler's "no draft" action
 HF_ASSISTED = "hf_assisted"  # prefix of the Hugging Face assisted generation methods
 LEARNED = "learned"  # prefix of the learned scheduler's rows ("learned+compiled", "learned+oracle")
 ORACLE = "oracle"  # the scheduler evaluation's oracle row (its decision rule on the true match lengths)
