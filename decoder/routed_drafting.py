@@ -12,6 +12,7 @@ selection), argmax chains for the rest (seeded rows: the target rule).
 
 from __future__ import annotations
 
+import functools
 import time
 
 from specboost.decoder.compilation import ModelCalls
@@ -53,7 +54,8 @@ class RoutedDrafting:
         self.chains.warm(texts)
         start = time.perf_counter()
         hidden = [row.hidden for row in rows]
-        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, self.chains.behind(texts))
+        behind = functools.partial(self.chains.behind, texts)
+        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind)
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
         for b, record in enumerate(self.records):
             record.decided(plan.action(b), seconds)

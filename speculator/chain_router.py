@@ -30,7 +30,7 @@ length d) and "plain" of (1 + f_i(d)) / (L_verify(1 + d) + L_chain(i, 1, d)).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,12 +193,12 @@ class ChainRouter:
         max_depths: list[int],
         pacing: DecisionPacing | None = None,
         texts: list[list[int]] | None = None,
-        behind: np.ndarray | None = None,
+        behind: Callable[[], np.ndarray] | None = None,
     ) -> ChainPlan:
         """The step's routing for rows with these hidden states (and texts) and tokens still
         wanted; with `pacing` (the group's), a plain step without deciding when it says so.
-        `behind` [B, S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
-        one each, as after a step it drafted)."""
+        `behind()` [B, S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
+        one each, as after a step it drafted); asked only where a catch-up can cost more."""
         self._compiles = compile_count()
         if pacing is not None and not pacing.due():
             return self.plain(max_depths)
@@ -206,7 +206,8 @@ class ChainRouter:
         scale = 1.0 if self.calibration is None else self.calibration.depth  # [S, D]
         cap = np.asarray(max_depths, dtype=np.float64)
         f = np.minimum(raw * scale, cap[:, None, None])  # [B, S, D]
-        plan = self.choose(f, raw, cap, behind)
+        late = None if behind is None or not self._costs(len(hidden))[2].any() else behind()
+        plan = self.choose(f, raw, cap, late)
         if pacing is not None:
             pacing.decided(plan.depth_index < 0)
         return plan
@@ -341,7 +342,10 @@ class Stretches:
     def __init__(self, num_ssms: int) -> None:
         self.running = [0] * num_ssms  # steps of each SSM's stretch in progress
         self.total, self.count = 1.0, 1.0  # decayed sums of finished stretches' lengths and number
-        self.mean = 1.0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count
 
     def observe(self, drafting: Iterable[int]) -> None:
         """One step: the SSMs that drafted in it."""
@@ -352,7 +356,7 @@ class Stretches:
             elif steps:
                 self.total = STRETCH_MOMENTUM * self.total + steps
                 self.count = STRETCH_MOMENTUM * self.count + 1
-                self.mean, self.running[i] = self.total / self.count, 0
+                self.running[i] = 0
 
 
 class DecisionPacing:

@@ -18,6 +18,7 @@ corrections persist across calls.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -151,9 +152,8 @@ class RoutedScheduler:
         self.chains.warm([request.verified])
         start = time.perf_counter()
         texts = [request.verified]
-        self._plan = self.router.plan(
-            [request.hidden], [request.max_depth], self.pacing, texts, self.chains.behind(texts)
-        )
+        behind = functools.partial(self.chains.behind, texts)
+        self._plan = self.router.plan([request.hidden], [request.max_depth], self.pacing, texts, behind)
         self.record.decided(self._plan.action(0), time.perf_counter() - start)
         start = time.perf_counter()
         probs = request.probs

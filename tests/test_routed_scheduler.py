@@ -153,6 +153,11 @@ def test_a_row_far_behind_pays_its_eager_catch_up() -> None:
     behind = np.array([[1, 1], [1, 1], [1, 20]])
     assert router.choose(batch, batch, np.full(3, 100.0), behind).ssm.tolist() == [0, 0, 0]
     assert router.choose(batch, batch, np.full(3, 100.0), np.ones((3, 2))).ssm.tolist() == [1, 1, 1]
+    asked = []
+    router.plan([torch.zeros(32)], [100], behind=lambda: asked.append(1) or np.array([[1, 20]]))
+    router.costs_on_compiled_loop(False)  # eager: every catch-up costs alike, nothing to ask
+    router.plan([torch.zeros(32)], [100], behind=lambda: asked.append(2) or np.array([[1, 20]]))
+    assert asked == [1]
 
 
 def test_a_catch_up_is_shared_by_the_stretch_it_starts() -> None:
