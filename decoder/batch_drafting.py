@@ -64,6 +64,10 @@ class GroupDrafting(Protocol):
         """One tree per row, at most `depths[b]` deep (or one SSM's greedy chains, still on the
         device); `lengths[b]` is row b's chain length (None: the strategy's own shape)."""
 
+    def wants_hidden(self) -> bool:
+        """Whether the step's verification should return the LLM's hidden states (when the
+        speculator reads them at all): the routed scheduler's gate may say the next step needs none."""
+
     def levels(self, row: int) -> int:
         """Tree levels drafted for row `row` in the last `propose` (for a stacked pool one pass each,
         the catch-up pass included; one pass per SSM and level otherwise)."""
@@ -163,6 +167,9 @@ class BatchedChainDrafting:
                 tree.add_sequence([t for t, _ in chain], index, [q for _, q in chain])
         return trees
 
+    def wants_hidden(self) -> bool:
+        return True
+
     def levels(self, row: int) -> int:
         return self._levels
 
@@ -216,6 +223,9 @@ class PerSequenceDrafting:
                 speculator.shape = replace(speculator.shape, length=own if length is None else length)
             trees.append(speculator.propose(DraftRequest(row.tokens, depth, row.probs, row.hidden)))
         return trees
+
+    def wants_hidden(self) -> bool:
+        return True
 
     def levels(self, row: int) -> int:
         return sum(drafter.levels for drafter in pool_drafters(self.speculators[row]))

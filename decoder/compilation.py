@@ -99,6 +99,7 @@ class ModelCalls:
             longest = 1 + int(speculator.router.depths.max())
             verify = {node_bucket(n) for n in range(1, longest + 1)}
             self.get(llm).expected.update(PassShape(n, n, True) for n in verify if n <= COMPILED_MAX_NODES)
+            self.get(llm).expected.add(PassShape(1, 1, False))  # a plain step while the gate is off (5.4)
             for model in speculator.models:
                 self.get(model).expected.update({*catch_up_passes(), PassShape(1, 1, False)})
             return
@@ -164,4 +165,4 @@ def compile_options(device: torch.device) -> dict[str, object]:
     comparison are compiled alike)."""
     if device.type == "cuda":
         return {"mode": "reduce-overhead"}
-    return {"options": {"cpp_wrapper": True}}
+    return {"options": {"cpp_wrapper": True, "freezing": True}}

@@ -38,6 +38,11 @@ from specboost.speculator.tree import ChainDraft, TokenTree
 # of 64 (capacity 256 where 128 held the text) cost our plain step 0.77x `generate`'s compiled
 # static-cache step, 0.91x without it (docs/results.md).
 CAPACITY_HEADROOM = 16
+# The group cache's capacity is rounded up to a multiple of this, finer than the drafters' caches'
+# (`CAPACITY_STEP`): it is set once from the rows' final lengths, and every pass of the LLM attends
+# over all of it. At batch 8 on prompts of up to 101 tokens, 256 positions where 176 held the text
+# cost our plain step 0.81x transformers' `generate`, 0.96-1.0x at 192 (docs/results.md).
+TARGET_CAPACITY_STEP = 32
 
 
 class LoopParts(DecoderParts, Protocol):
@@ -158,9 +163,8 @@ class SequenceGroup:
         start = time.perf_counter()
         with self.timer.phase("verify"):
             self._read_prompts()
-            verdicts, hidden = self.decoder.verifier.verify(
-                self.target, self.rows, self.keep_hidden, self.chains
-            )
+            keep_hidden = self.keep_hidden and self.drafting.wants_hidden()
+            verdicts, hidden = self.decoder.verifier.verify(self.target, self.rows, keep_hidden, self.chains)
         # Host time of the verification (on CUDA it also waits for the drafting queued before it: the
         # verdicts are read back here); what the length controllers and strategies learn from.
         seconds = time.perf_counter() - start
@@ -173,8 +177,8 @@ class SequenceGroup:
                 if row.stream is not None:
                     row.stream.put(kept)
                 record_step(row.stats, row.tree, verdict.accepted)
-                if hidden is not None:
-                    row.hidden = hidden[b]
+                if self.keep_hidden:  # a state not computed is not left stale
+                    row.hidden = None if hidden is None else hidden[b]
                 if self.max_positions is not None and len(row.tokens) > self.max_positions:
                     row.stop.finish_reason = row.stop.finish_reason or "length"
             accepted = [verdict.accepted for verdict in verdicts]
@@ -196,7 +200,10 @@ class SequenceGroup:
         prefixes = [row.tokens[:-1] for row in new]
         longest = max(len(row.tokens) + row.stop.remaining for row in self.rows)
         fresh = TreeCache(
-            self.llm, len(prefixes), capacity_for(longest + CAPACITY_HEADROOM), self.target.compiled
+            self.llm,
+            len(prefixes),
+            capacity_for(longest + CAPACITY_HEADROOM, TARGET_CAPACITY_STEP),
+            self.target.compiled,
         )
         if any(prefixes):  # prompts: shapes a compiled graph has not seen
             out = fresh.feed_chains(prefixes, eager=True, output_hidden=self.keep_hidden)

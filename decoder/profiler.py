@@ -6,10 +6,13 @@ Everything is timed through the decoder's own code paths: L_verify(n) is the LLM
 pass over an n-node tree after `prefix_length` cached tokens, followed by the commit a real step
 does (the root kept); L_speculate(b, d) is `PoolDrafter.draft_one` of a beam tree after the same prefix
 (the steady-state cache catch-up of one token included). The chain tables of the routed scheduler
-(section 5.3) are timed the same way at every batch size of `batch_sizes`: the LLM's pass over a
-chain of n nodes in every row, and each SSM's `BatchedChainDrafter.draft_greedy` of a d-token chain
-in every row (a one-token catch-up first). Each number is the median of `repeats`
-timed runs after one warm-up run; CUDA is synchronised around every run.
+(section 5.3) are timed as the decode loop runs its steps, at every batch size of `batch_sizes`: a
+drafting step is each SSM's `BatchedChainDrafter.draft_greedy` of a d-token chain in every row (a
+one-token catch-up first) followed by the LLM's pass over those chains, each part timed, so that
+each part pays for the other's passes having pushed its weights out of the CPU's caches, as it does
+in the loop; a plain step is the LLM's one-node pass after another one. Each number is the median
+of `repeats` timed runs, each after an untimed run of itself (the step before it in a stretch of
+that action); CUDA is synchronised around every timed part.
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ class ProfileConfig:
     compile: bool = False  # also the chain tables on the compiled loop (compiles their passes)
     prefix_length: int = 64
     repeats: int = 5
+    settle: int = 8  # untimed runs of a shape before each timed one (see `_interleaved_medians`)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.repeats < 1 or self.prefix_length < 1:
-            raise ValueError("repeats and prefix_length must be >= 1")
+        if self.repeats < 1 or self.prefix_length < 1 or self.settle < 1:
+            raise ValueError("repeats, settle and prefix_length must be >= 1")
         if min(self.verify_sizes) < 1:
             raise ValueError("verify sizes count tree nodes, root included: they must be >= 1")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -63,29 +67,47 @@ class ProfileConfig:
         return sorted({1, *(1 + d for d in self.depths)})
 
 
+Segments = Callable[[], dict[str, float]]  # a run that times its own parts: {name: seconds}
+
+
+def timed(run: Callable[[], object], name: str, device: torch.device) -> Segments:
+    """`run` as a run of one part, `name`, timed whole (CUDA synchronised around it)."""
+
+    def segments() -> dict[str, float]:
+        start = _clock(device)
+        run()
+        return {name: _clock(device) - start}
+
+    return segments
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _interleaved_medians(
-    runs: dict[str, Callable[[], object]], repeats: int, device: torch.device, show_progress: bool
+    runs: list[Segments], repeats: int, settle: int, show_progress: bool
 ) -> dict[str, float]:
-    """Median seconds of every run, timed round-robin (`repeats` rounds), so that a burst of load on
-    a shared machine spreads over all shapes instead of skewing one. Each timing follows an untimed
-    call of the same run (which compiles it, the first time): the run before may be another
-    model's, whose passes leave this one's weights out of the CPU's caches, and that had charged
-    the first run of each model for it (a one-token compiled verify pass of the tiny fixture's LLM
-    measured 3.9 ms, its two-token pass 2.4 ms; a plain step of the decoding loop takes 1.5 ms)."""
-    times: dict[str, list[float]] = {key: [] for key in runs}
+    """Median seconds of every part the runs time, the runs taken round-robin (`repeats` rounds), so
+    that a burst of load on a shared machine spreads over all shapes instead of skewing one. A part
+    several runs time pools their samples. Each timed run follows `settle` untimed calls of itself
+    (the first compiles it), as a step of the loop follows the steps of a stretch of one action:
+    the run before may be another shape's or model's, and the first few calls after it pay for
+    bringing this one's weights and buffers back into the CPU's caches. On the tiny fixture's LLM
+    a compiled one-token pass measured 1.7 ms after one untimed call, 1.3 ms after three and
+    0.52 ms after eight, as in the loop's stretches of plain steps (2-core EPYC)."""
+    times: dict[str, list[float]] = {}
     with tqdm(total=repeats * len(runs), desc="profiling", unit="run", disable=not show_progress) as bar:
         for _ in range(repeats):
-            for key, run in runs.items():
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[key].append(time.perf_counter() - start)
+            for run in runs:
+                for _ in range(settle):
+                    run()
+                for name, seconds in run().items():
+                    times.setdefault(name, []).append(seconds)
                 bar.update(1)
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def bushy_tree(size: int, vocab: int, max_depth: int, gen: torch.Generator) -> TokenTree:
@@ -138,17 +160,18 @@ def profile(
                 runs[f"ssm {index} {width},{depth}"] = functools.partial(
                     drafter.draft_one, prefix, shape, probs, depth
                 )
-    batch_sizes = sorted(set(config.batch_sizes))
-    runs |= chain_runs(llm, ssms, prefix, batch_sizes, config)
-    if config.compile:
-        calls = ModelCalls(device, enabled=True)
-        runs |= chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
     pool = PoolDrafter(ssms) if len(ssms) > 1 else None
     if pool is not None and pool.stacked:  # one step of every SSM at once
         steps = [ChainShape(1)] * len(ssms)
         pool.draft(prefix, steps, probs, 1)
         runs["pool step"] = functools.partial(pool.draft, prefix, steps, probs, 1)
-    seconds = _interleaved_medians(runs, config.repeats, device, show_progress)
+    segmented = [timed(run, name, device) for name, run in runs.items()]
+    batch_sizes = sorted(set(config.batch_sizes))
+    segmented += chain_runs(llm, ssms, prefix, batch_sizes, config)
+    if config.compile:
+        calls = ModelCalls(device, enabled=True)
+        segmented += chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
+    seconds = _interleaved_medians(segmented, config.repeats, config.settle, show_progress)
     verify_seconds = [seconds[f"verify {size}"] for size in sizes]
     steps = [seconds[f"ssm {i} step"] for i in range(len(ssms))]
     speculate = [
@@ -209,37 +232,55 @@ def chain_runs(
     config: ProfileConfig,
     compiled: Callable[[PreTrainedModel], CompiledPass | None] = lambda model: None,
     tag: str = "",
-) -> dict[str, Callable[[], object]]:
-    """The timed runs of the chain tables (section 5.3): "verify BxN", the LLM's pass over a chain
-    of N nodes in each of B rows after the prefix, then the commit of the root and the truncation a
-    real step does; "ssm I chain BxD", SSM I drafting a D-token greedy chain in each of B rows after
-    the prefix (its cache holding the prefix but the last token, as after a step). With
-    `compiled` (a model's compiled pass), on the compiled loop, the names prefixed by `tag`. The
-    LLM's passes return the hidden states, as the learned scheduler's verification does."""
-    runs: dict[str, Callable[[], object]] = {}
+) -> list[Segments]:
+    """The timed runs of the chain tables (section 5.3), as the loop's steps: a plain step, the
+    LLM's pass over the roots of B rows after the prefix, then the commit of the roots and the
+    truncation back to the prefix ("verify Bx1"); a drafting step of SSM I, its D-token greedy
+    chains in each of B rows after the prefix (its cache holding the prefix but the last token, as
+    after a step: "ssm I chain BxD"), then the LLM's pass over those chains, committed and truncated
+    likewise ("verify Bx(D+1)", pooled over the SSMs). With `compiled` (a model's compiled pass),
+    on the compiled loop, the names prefixed by `tag`. The LLM's passes return the hidden states,
+    as the learned scheduler's verification does."""
+    runs: list[Segments] = []
+    device = llm.device
     largest = max(config.chain_nodes)
     for rows in batch_sizes:
         target = TreeCache(llm, rows, capacity_for(len(prefix) + largest), compiled(llm))
         target.feed_chains([prefix[:-1]] * rows, eager=True)
-        for nodes in config.chain_nodes:
-            chains = ChainDraft(
-                [prefix[-1]] * rows,
-                torch.zeros(rows, nodes - 1, dtype=torch.long, device=llm.device),
-                [nodes - 1] * rows,
-                0,
-            )
-            runs[f"{tag}verify {rows}x{nodes}"] = functools.partial(
-                _verify_chains, target, chains.batch(), len(prefix)
-            )
+        roots = [prefix[-1]] * rows
+        plain = ChainDraft(roots, torch.zeros(rows, 0, dtype=torch.long, device=device), [0] * rows, 0)
+        verify = functools.partial(_verify_chains, target, plain.batch(), len(prefix))
+        runs.append(timed(verify, f"{tag}verify {rows}x1", device))
         for index, ssm in enumerate(ssms):
             drafter = BatchedChainDrafter(ssm, compiled(ssm))
             drafter.add_sequences(rows)
             drafter.draft_greedy([prefix] * rows, [1] * rows)  # fill the cache: timed runs catch up one token
             for depth in config.depths:
-                runs[f"{tag}ssm {index} chain {rows}x{depth}"] = functools.partial(
-                    drafter.draft_greedy, [prefix] * rows, [depth] * rows
+                runs.append(
+                    functools.partial(_drafting_step, drafter, target, prefix, depth, (index, rows, tag))
                 )
     return runs
+
+
+def _drafting_step(
+    drafter: BatchedChainDrafter,
+    target: TreeCache,
+    prefix: list[int],
+    depth: int,
+    names: tuple[int, int, str],
+) -> dict[str, float]:
+    """One drafting step of the loop: `drafter`'s greedy chains of `depth` tokens in every row, then
+    the LLM's pass over them, each timed."""
+    index, rows, tag = names
+    start = _clock(target.device)
+    chains, lengths = drafter.draft_greedy([prefix] * rows, [depth] * rows)
+    middle = _clock(target.device)
+    _verify_chains(target, ChainDraft([prefix[-1]] * rows, chains, lengths, index).batch(), len(prefix))
+    end = _clock(target.device)
+    return {
+        f"{tag}ssm {index} chain {rows}x{depth}": middle - start,
+        f"{tag}verify {rows}x{depth + 1}": end - middle,
+    }
 
 
 def _verify_chains(target: TreeCache, batch: TreeBatch, prefix_length: int) -> None:

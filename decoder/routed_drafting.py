@@ -19,52 +19,75 @@ from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing
+from specboost.speculator.kv_cache import compile_count
 from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler
+from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that read the drafts' q
 
 
 class RoutedDrafting:
-    """`GroupDrafting` of the routed scheduler: per row an `ActionRecord`, per group the drafters."""
+    """`GroupDrafting` of the routed scheduler: per row an `ActionRecord`, per group the drafters;
+    the speculation gate of the group's size says whether the router decides a step (5.4)."""
 
     def __init__(self, scheduler: RoutedScheduler, calls: ModelCalls) -> None:
+        self.scheduler = scheduler
         self.router = scheduler.router
         self.chains = RoutedChains(scheduler.models, calls.get)
         self.records: list[ActionRecord] = []
         self.pacing = DecisionPacing()
         self._plan: ChainPlan | None = None
+        self._gate: SpeculationGate | None = None  # the step's
         self._drafting = 0.0
+        self._start = 0.0  # when the step's drafting began
+        self._compiles = 0  # graphs compiled in the process by then
 
     def add(self, rows: list[SequenceState]) -> None:
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
         self.pacing.restart()  # decide for the new rows at once
+        self._warm(rows)
 
     def retain(self, rows: list[SequenceState], keep: list[int]) -> None:
         self.chains.select(keep)
         self.records = [self.records[i] for i in keep]
+        self._warm([rows[i] for i in keep])
+
+    def _warm(self, rows: list[SequenceState]) -> None:
+        """Size the drafters for the rows' final lengths (`RoutedChains.warm`)."""
+        if rows:
+            self.chains.warm(max(len(row.tokens) + row.stop.remaining for row in rows))
+
+    def wants_hidden(self) -> bool:
+        """Whether this step's verification must return the hidden states: only when the router
+        may decide the next step (the gate is on, or may turn on after this step)."""
+        return self._gate is None or self._gate.on or self._gate.window_ends
 
     def propose(
         self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]
     ) -> list[TokenTree] | ChainDraft:
         """The routed chains of every row; `lengths` (a batch length controller's) do not apply:
-        the router chooses the length."""
+        the router chooses the length. A plain step for every row where the gate is off."""
         texts = [row.tokens for row in rows]
-        self.chains.warm(texts)
-        start = time.perf_counter()
+        start = self._start = time.perf_counter()
+        self._compiles = compile_count()
+        gate = self._gate = self.scheduler.gate(len(rows))
+        greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
+        if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
+            self._plan = None
+            for record in self.records:
+                record.decided("off", 0.0)
+            return self._plain_step(rows, greedy)
         hidden = [row.hidden for row in rows]
         behind = functools.partial(self.chains.behind, texts)
         plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind)
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
         for b, record in enumerate(self.records):
             record.decided(plan.action(b), seconds)
-        greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         if not any(plan.lengths):  # a plain step: no drafter runs (nor is timed)
             self._drafting = 0.0
-            if greedy:
-                return self.chains.nothing(texts)
-            return [TokenTree.root_only(row.tokens[-1], DraftKind.GREEDY) for row in rows]
+            return self._plain_step(rows, greedy)
         start = time.perf_counter()
         drafted: list[TokenTree] | ChainDraft
         if greedy:
@@ -75,10 +98,20 @@ class RoutedDrafting:
         self._drafting = time.perf_counter() - start
         return drafted
 
+    def _plain_step(self, rows: list[SequenceState], greedy: bool) -> list[TokenTree] | ChainDraft:
+        """Every row's root alone: chains of no token on the device for greedy rows (the verifier's
+        plain step), host trees for the rest (their rules sample from p)."""
+        if greedy:
+            return self.chains.nothing([row.tokens for row in rows])
+        return [TokenTree.root_only(row.tokens[-1], DraftKind.GREEDY) for row in rows]
+
     def levels(self, row: int) -> int:
         return self._plan.lengths[row] if self._plan is not None else 0
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
+        if self._gate is not None and compile_count() == self._compiles:  # else it timed compiling
+            emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
+            self._gate.step(emitted, time.perf_counter() - self._start)
         if self._plan is None:
             return
         start = time.perf_counter()
@@ -88,4 +121,5 @@ class RoutedDrafting:
             record.decision_seconds += seconds
 
     def report(self, row: int) -> dict:
-        return self.records[row].report() | {"cost_factors": list(self.router.cost_factors)}
+        gate = {} if self._gate is None else {"gate": self._gate.report()}
+        return self.records[row].report() | {"cost_factors": list(self.router.cost_factors)} | gate

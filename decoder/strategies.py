@@ -70,6 +70,9 @@ class StrategyOptions:
     ssm: int | None = None  # "sequoia": the SSM that drafts (default: the most promising)
     majority: MajorityConfig | None = None  # "majority", "pruned": the weight update
     actions: str | None = None  # "learned": "chains" (the default) or "trees" (see the module doc)
+    # "learned" with chains: the speculation gate, which turns the router off where measured plain
+    # decoding is faster (ALGORITHMS.md 5.4; default True; False: the router decides every step)
+    gate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.actions not in (None, *LEARNED_ACTIONS):
@@ -86,6 +89,7 @@ OPTION_USERS: dict[str, tuple[str, ...]] = {  # StrategyOptions field -> the str
     "ssm": ("sequoia",),
     "majority": ("majority", "pruned"),
     "actions": ("learned",),
+    "gate": ("learned",),
 }
 
 
@@ -204,8 +208,10 @@ def _learned(
         cost = profile(
             llm, ssms, ProfileConfig(widths=predictor.config.widths, depths=predictor.config.depths)
         )
+    if inputs.options.gate is not None and not chains:
+        raise ValueError("StrategyOptions(gate=...) is for the routed chains; drop it with actions='trees'")
     if chains:
-        return RoutedScheduler(ssms, predictor, cost)
+        return RoutedScheduler(ssms, predictor, cost, gated=inputs.options.gate is not False)
     fallback = inputs.shape if isinstance(inputs.shape, BeamShape) else None
     return LearnedScheduler(ssms, predictor, cost, fallback)
 

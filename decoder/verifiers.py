@@ -14,7 +14,7 @@ import torch
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, Rule, Verdict, apply_rule, check_rule, walk
 from specboost.speculator.kv_cache import TreeCache
-from specboost.speculator.tree import ChainDraft, DraftKind, TreeBatch
+from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree, TreeBatch
 
 Hidden = list[torch.Tensor] | None  # per row: the LLM's last hidden state [H] before the new root
 
@@ -91,6 +91,8 @@ class TreeVerifier:
         """Greedy chains on the device: accepted lengths, next tokens and the drafts themselves come
         back in ONE host read (ALGORITHMS.md section 2, greedy: the longest prefix of the chain
         equal to the LLM's argmax continuation)."""
+        if not chains.tokens.shape[1]:
+            return self._verify_roots(cache, rows, keep_hidden, chains.roots)
         batch = chains.batch()
         lengths = torch.tensor(cache.lengths, device=cache.device)
         out = cache.feed(batch.tokens, lengths[:, None] + batch.depths, batch.ancestors, keep_hidden)
@@ -106,6 +108,25 @@ class TreeVerifier:
         cache.commit([range(r[width] + 1) for r in host])
         hidden = [out.hidden[b, r[width]] for b, r in enumerate(host)] if keep_hidden else None
         return verdicts, hidden
+
+    @staticmethod
+    def _verify_roots(
+        cache: TreeCache, rows: list[SequenceState], keep_hidden: bool, roots: list[int]
+    ) -> tuple[list[Verdict], Hidden]:
+        """Greedy rows that drafted nothing (the routed scheduler declined): one plain decoding
+        step, with no more host work than `generate`'s, so that declining costs what plain
+        decoding costs (ALGORITHMS.md 5.3)."""
+        device = cache.device
+        tokens = torch.tensor(roots, device=device)[:, None]
+        positions = torch.tensor(cache.lengths, device=device)[:, None]
+        visible = torch.ones(len(roots), 1, 1, dtype=torch.bool, device=device)
+        out = cache.feed(tokens, positions, visible, keep_hidden)
+        following = out.logits[:, 0].float().argmax(-1).tolist()  # as generate: float32 scores
+        for row, root in zip(rows, roots, strict=True):
+            row.tree = TokenTree.root_only(root, DraftKind.GREEDY)
+        cache.commit([[0]] * len(roots))
+        hidden = list(out.hidden[:, 0]) if keep_hidden else None
+        return [Verdict([], token) for token in following], hidden
 
 
 class StairsVerifier:

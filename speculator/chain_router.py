@@ -127,6 +127,7 @@ class ChainRouter:
             )
         )
         self.stretches = Stretches(self.num_ssms)
+        self._idle = 0  # plain steps whose ageing of the evidence is still to apply (`_age`)
         self._compiles = compile_count()
         plain = max(float(self.cost_model.chain_verify_time(1, np.array([1]))[0]), 1e-9)
         cheapest = max(float(self._costs(1)[1][:, 1].min()), 1e-9)
@@ -145,7 +146,8 @@ class ChainRouter:
     @property
     def cost_factors(self) -> tuple[float, float, float]:
         """(v, g, v_plain): the verify and drafting factors of drafting steps, the verify factor of
-        plain steps (section 5.2)."""
+        plain steps (section 5.2), the plain steps since the last decision aged in."""
+        self._age()
         if self.costs is None or self.plain_costs is None:
             return (1.0, 1.0, 1.0)
         return (*self.costs.factors, self.plain_costs.factors[0])
@@ -202,6 +204,7 @@ class ChainRouter:
         self._compiles = compile_count()
         if pacing is not None and not pacing.due():
             return self.plain(max_depths)
+        self._age()
         raw = self.predict(hidden, texts)
         scale = 1.0 if self.calibration is None else self.calibration.depth  # [S, D]
         cap = np.asarray(max_depths, dtype=np.float64)
@@ -309,11 +312,19 @@ class ChainRouter:
         self, plan: ChainPlan, accepted: list[int], verify_seconds: float, drafting_seconds: float
     ) -> None:
         """Correct the estimates with each drafting row's accepted tokens (5.1) and the costs with
-        the step's measured seconds (5.2)."""
+        the step's measured seconds (5.2). A step that drafted nothing only corrects plain steps'
+        cost; what it ages (the estimates, the drafting steps' costs: so that drafting is tried
+        again) is aged at the next decision, all such steps at once (`_age`): declining costs a
+        few float operations per step, as plain decoding costs nothing to decide."""
+        measured = compile_count() == self._compiles  # else the step compiled: its seconds say nothing
         drafting = np.flatnonzero(plan.ssm != NO_SSM) if plan.depth_index >= 0 else ()
-        if self.calibration is not None and not len(drafting):
-            self.calibration.idle()
-        elif self.calibration is not None:
+        if not len(drafting):
+            self._idle += 1
+            if self.plain_costs is not None and measured:
+                self.plain_costs.update((verify_seconds, 0.0), plan.profiled)
+            return
+        self._age()
+        if self.calibration is not None:
             self.calibration.observe(
                 plan.ssm[drafting],
                 plan.predicted[drafting],
@@ -321,16 +332,22 @@ class ChainRouter:
                 np.asarray(accepted, dtype=np.float64)[drafting],
                 plan.max_depths[drafting],
             )
-        self.stretches.observe(np.unique(plan.ssm[drafting]) if len(drafting) else ())
-        if self.costs is None or self.plain_costs is None:
-            return
-        if compile_count() != self._compiles:  # the step compiled a graph: its seconds say nothing
-            return
-        if plan.depth_index >= 0:
+        self.stretches.observe(np.unique(plan.ssm[drafting]))
+        if self.costs is not None and measured:
             self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
-        else:
-            self.plain_costs.update((verify_seconds, 0.0), plan.profiled)
-            self.costs.idle((0, 1))  # so that drafting is tried again (5.2)
+
+    def _age(self) -> None:
+        """Apply the ageing of the plain steps since the last one applied: the estimates' and the
+        drafting steps' costs' evidence decay by IDLE_DECAY per step (5.1, 5.2), and every drafting
+        stretch has ended."""
+        if not self._idle:
+            return
+        if self.calibration is not None:
+            self.calibration.idle(self._idle)
+        if self.costs is not None:
+            self.costs.idle((0, 1), self._idle)
+        self.stretches.observe(())
+        self._idle = 0
 
 
 class Stretches:

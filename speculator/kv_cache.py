@@ -83,9 +83,9 @@ def node_bucket(n: int) -> int:
     return next((size for size in NODE_BUCKETS if size >= n), bucket(n))
 
 
-def capacity_for(positions: int) -> int:
-    """A capacity holding `positions`, rounded up to CAPACITY_STEP."""
-    return -(-positions // CAPACITY_STEP) * CAPACITY_STEP
+def capacity_for(positions: int, step: int = CAPACITY_STEP) -> int:
+    """A capacity holding `positions`, rounded up to a multiple of `step`."""
+    return -(-positions // step) * step
 
 
 def max_capacity(model: PreTrainedModel) -> int:

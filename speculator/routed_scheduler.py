@@ -30,11 +30,12 @@ from transformers import PreTrainedModel
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.chain_router import ChainPlan, ChainRouter, DecisionPacing
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.kv_cache import COMPILED_MAX_NODES, CompiledPass
+from specboost.speculator.kv_cache import COMPILED_MAX_NODES, CompiledPass, bucket
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.scheduler import check_pool_size
 from specboost.speculator.speculation import DraftRequest, StepFeedback
+from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 
@@ -48,6 +49,7 @@ class RoutedChains:
         compiled: Callable[[PreTrainedModel], CompiledPass | None] | None = None,
     ) -> None:
         self.drafters = [BatchedChainDrafter(m, compiled(m) if compiled else None) for m in ssms]
+        self._empty: dict[int, torch.Tensor] = {}  # per row count: chains of no token
 
     def add(self, count: int) -> None:
         for drafter in self.drafters:
@@ -57,11 +59,13 @@ class RoutedChains:
         for drafter in self.drafters:
             drafter.select(keep)
 
-    def warm(self, verified: list[list[int]]) -> None:
-        """Every compiled drafter grown with the text and its passes compiled at its rows and
-        capacity, whether or not it drafts this step (`TreeCache.warm_for`), so that a warm-up on
-        these prompts compiles all a timed run can meet, however differently it routes."""
-        positions = max(map(len, verified), default=0) + COMPILED_MAX_NODES  # a pass's nodes, padded
+    def warm(self, final_length: int) -> None:
+        """Every compiled drafter sized for rows of up to `final_length` tokens (text and tokens
+        still wanted) and its passes compiled at its rows and that capacity, whether or not it ever
+        drafts (`TreeCache.warm_for`): its shapes then follow the rows' lengths, as the LLM's cache's
+        do, not the steps it happens to draft, so a warm-up on these prompts compiles all a timed
+        run can meet, however differently it routes. Called when the rows change."""
+        positions = final_length + COMPILED_MAX_NODES  # a pass's nodes, padded
         for drafter in self.drafters:
             drafter.cache.warm_for(positions)
 
@@ -71,8 +75,10 @@ class RoutedChains:
 
     def nothing(self, verified: list[list[int]]) -> ChainDraft:
         """Chains of no token for every row (a plain step)."""
-        empty = torch.zeros(len(verified), 0, dtype=torch.long, device=self.drafters[0].model.device)
-        return ChainDraft([v[-1] for v in verified], empty, [0] * len(verified), 0)
+        rows = len(verified)
+        if rows not in self._empty:
+            self._empty[rows] = torch.zeros(rows, 0, dtype=torch.long, device=self.drafters[0].model.device)
+        return ChainDraft([v[-1] for v in verified], self._empty[rows], [0] * rows, 0)
 
     def draft_trees(
         self, verified: list[list[int]], plan: ChainPlan, probs: list[LogitsToProbs], sample: list[bool]
@@ -124,17 +130,32 @@ class RoutedScheduler:
         cost_model: CostModel,
         calibration: float | None = 0.9,
         cost_correction: float | None = 0.9,
+        gated: bool = True,
     ) -> None:
         check_pool_size(predictor, cost_model, len(ssms))
+        self.gated = gated  # measure speculation against plain decoding (section 5.4)
         self.models = list(ssms)
         self.num_ssms = len(ssms)
         self.router = ChainRouter(predictor.to(ssms[0].device), cost_model, calibration, cost_correction)
+        self.gates: dict[int, SpeculationGate] = {}  # per batch-size bucket (section 5.4)
         self.compiler: Callable[[PreTrainedModel], CompiledPass | None] | None = None  # set by the decoder
         self.reset(None)
 
     def forget(self) -> None:
-        """Start the online corrections afresh (a warm-up taught nothing about the workload)."""
+        """Start the online corrections and the gates afresh (a warm-up taught nothing about the
+        workload)."""
         self.router.forget()
+        self.gates.clear()
+
+    def gate(self, rows: int) -> SpeculationGate | None:
+        """The speculation gate of groups of `rows` rows (one per power-of-two bucket); None when
+        not `gated`: the router decides every step."""
+        if not self.gated:
+            return None
+        key = bucket(rows)
+        if key not in self.gates:
+            self.gates[key] = SpeculationGate(key)
+        return self.gates[key]
 
     def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return DraftKind.SAMPLED if do_sample and not seeded else DraftKind.GREEDY
@@ -149,7 +170,7 @@ class RoutedScheduler:
         self._drafting = 0.0
 
     def propose(self, request: DraftRequest) -> TokenTree:
-        self.chains.warm([request.verified])
+        self.chains.warm(len(request.verified) + request.max_depth)
         start = time.perf_counter()
         texts = [request.verified]
         behind = functools.partial(self.chains.behind, texts)

@@ -183,12 +183,13 @@ class OnlineCalibration:
         self.predicted += predicted_sums
         self._grid = self._depth = None
 
-    def idle(self) -> None:
-        """A step that drafted nothing: all evidence ages by IDLE_DECAY, so that scales a stretch of
-        bad drafts pulled down drift back to the prior while nothing drafts, and drafting is tried
-        again (without it, a router that declined after bad text would never draft again)."""
-        self.accepted *= IDLE_DECAY
-        self.predicted *= IDLE_DECAY
+    def idle(self, steps: int = 1) -> None:
+        """`steps` steps that drafted nothing: all evidence ages by IDLE_DECAY per step, so that
+        scales a stretch of bad drafts pulled down drift back to the prior while nothing drafts, and
+        drafting is tried again (without it, a router that declined after bad text would never draft
+        again)."""
+        self.accepted *= IDLE_DECAY**steps
+        self.predicted *= IDLE_DECAY**steps
         self._grid = self._depth = None
 
     def _observe_one(self, ssm: int, predicted: np.ndarray, d_index: int, matched: float, cap: float) -> None:
@@ -257,12 +258,13 @@ class CostCorrection:
         sums_m[1], sums_p[1] = mu * sums_m[1] + drafting, mu * sums_p[1] + profiled[1]
         return self._refresh()
 
-    def idle(self, parts: tuple[int, ...] = (1,)) -> tuple[float, float]:
-        """A step that drafted nothing: the drafting evidence fades (IDLE_DECAY) as in `update`;
-        with `parts=(0, 1)` the verify evidence too (a caller that corrects plain steps apart)."""
+    def idle(self, parts: tuple[int, ...] = (1,), steps: int = 1) -> tuple[float, float]:
+        """`steps` steps that drafted nothing: the drafting evidence fades (IDLE_DECAY per step) as
+        in `update`; with `parts=(0, 1)` the verify evidence too (a caller that corrects plain steps
+        apart)."""
         for part in parts:
-            self.measured[part] *= IDLE_DECAY
-            self.profiled[part] *= IDLE_DECAY
+            self.measured[part] *= IDLE_DECAY**steps
+            self.profiled[part] *= IDLE_DECAY**steps
         return self._refresh()
 
     def _refresh(self) -> tuple[float, float]:

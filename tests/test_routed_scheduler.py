@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import DEPTHS, FAVOURS_SSM_0, SPECULATE, VERIFY, WIDTHS, constant_predictor, cost_table
 
-from specboost.decoder import SpeculativeDecoder
+from specboost.decoder import SpeculativeDecoder, profiler
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
@@ -235,10 +235,19 @@ def test_the_router_refuses_a_profile_without_chain_costs_and_a_grid_without_wid
         ChainRouter(wide, cost_table(1, VERIFY, SPECULATE))
 
 
-def routed_decoder(llm, ssms, predictor=None, cost=None, **kwargs) -> SpeculativeDecoder:
+def routed_decoder(llm, ssms, predictor=None, cost=None, gate=False, **kwargs) -> SpeculativeDecoder:
+    """A decoder routed by the rule of 5.3 (its gate off unless `gate`: these tests check the rule)."""
     predictor = predictor or constant_predictor(FAVOURS_SSM_0)
     cost = cost or cost_table(len(ssms), VERIFY, SPECULATE)
-    return SpeculativeDecoder(llm, ssms, strategy="learned", predictor=predictor, cost_model=cost, **kwargs)
+    return SpeculativeDecoder(
+        llm,
+        ssms,
+        strategy="learned",
+        predictor=predictor,
+        cost_model=cost,
+        strategy_options=StrategyOptions(gate=gate),
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("prompt_length", [1, 6])
@@ -329,6 +338,30 @@ def test_profile_measures_chain_tables_at_every_batch_size() -> None:
     assert np.asarray(cost.chain_seconds).shape == (2, 2, 2)
     assert min(np.asarray(cost.chain_seconds).flat) > 0
     assert cost.chain_draft_table(4).shape == (2, 5, 2) and (cost.chain_draft_table(4)[:, 0] == 0).all()
+
+
+def test_the_profile_times_each_part_of_a_run_after_it_settles() -> None:
+    """Every run is called `settle` times untimed, then once timed; a run that times its own parts
+    (a drafting step: the SSM's chains, then the LLM's pass over them) gives each part's median,
+    a part several runs time pooling their samples (the verify pass of a chain length, every SSM's)."""
+    calls: Counter = Counter()
+
+    def run(name: str, parts: dict[str, float]):
+        def segments() -> dict[str, float]:
+            calls[name] += 1
+            return parts
+
+        return segments
+
+    runs = [
+        run("a", {"draft 0": 1.0, "verify": 3.0}),
+        run("b", {"draft 1": 2.0, "verify": 5.0}),
+        profiler.timed(lambda: calls.update(["c"]), "plain", torch.device("cpu")),
+    ]
+    seconds = profiler._interleaved_medians(runs, repeats=3, settle=4, show_progress=False)
+    assert calls == {"a": 15, "b": 15, "c": 15}
+    assert seconds["draft 0"] == 1.0 and seconds["draft 1"] == 2.0 and seconds["verify"] == 4.0
+    assert 0 <= seconds["plain"] < 0.1
 
 
 def test_a_smaller_pass_never_costs_more_than_a_larger_one() -> None:

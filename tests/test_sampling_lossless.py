@@ -48,6 +48,7 @@ from specboost.decoder import (
     ChainShape,
     Rule,
     SpeculativeDecoder,
+    StrategyOptions,
     TopologyShape,
     multi_draft,
     verify,
@@ -823,6 +824,7 @@ def test_routed_chains(models, batch: int, seeded: bool, monkeypatch: pytest.Mon
         strategy="learned",
         predictor=predictor,
         cost_model=cost_table(2, VERIFY, SPECULATE),
+        strategy_options=StrategyOptions(gate=False),  # keep drafting, whatever plain decoding measures
     )
     router = dec.speculator.router
     router.calibration = router.costs = None  # a made-up profile: keep drafting on its numbers

@@ -80,7 +80,7 @@ from specboost.decoder.bench.workloads import (
 from specboost.decoder.engine import EngineConfig
 from specboost.decoder.generation_options import resolve
 from specboost.decoder.loop import BatchConfig
-from specboost.decoder.strategies import DRAFTING
+from specboost.decoder.strategies import DRAFTING, StrategyOptions
 from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
@@ -486,9 +486,10 @@ def learned_rows(models: Models, ours: Any, size: int) -> dict[str, Any]:
 
 def oracle_method(models: Models, indices: list[int], max_new: int, decoding: Decoding) -> Method:
     """The learned scheduler's rule fed the true match lengths (`OracleRouter`, ALGORITHMS.md 5.3),
-    eager like the `learned` row: the bound a perfect predictor would reach. Its greedy outputs are
-    generated when a prompt is first met, in the untimed warm-up run (`--warmup` >= 1)."""
-    decoder = models.decoder(indices, strategy="learned")
+    eager like the `learned` row: the bound a perfect predictor would reach, the rule deciding every
+    step (no speculation gate, 5.4). Its greedy outputs are generated when a prompt is first met, in
+    the untimed warm-up run (`--warmup` >= 1)."""
+    decoder = models.decoder(indices, strategy="learned", strategy_options=StrategyOptions(gate=False))
     scheduler = decoder.speculator
     scheduler.router = OracleRouter(scheduler.router, decoder.llm, scheduler.models)
     description = "the learned scheduler's rule on the true match lengths (hindsight oracle)"
