@@ -161,8 +161,12 @@ def own_code(function: FunctionType) -> FunctionType:
 
 def compile_options(device: torch.device) -> dict[str, object]:
     """`torch.compile` keyword arguments per device: CUDA graphs on CUDA; elsewhere inductor with its
-    C++ wrapper (the same settings serve the compiled plain-decoding baseline, so that both sides of a
-    comparison are compiled alike)."""
+    C++ wrapper and freezing (the same settings serve the compiled plain-decoding baseline, so that
+    both sides of a comparison are compiled alike). Freezing folds the (inference-only) weights into
+    the graph as oneDNN-packed matrices: a few-token linear of a small model then costs little
+    more than a one-token one (the tiny fixture's LM head: 74 us for 5 tokens against 186 us
+    unfrozen), our compiled plain step ran 1.17x and a compiled chain step 1.28x faster; each graph
+    holds its own packed copy of the weights, and compiling takes about twice as long."""
     if device.type == "cuda":
         return {"mode": "reduce-overhead"}
     return {"options": {"cpp_wrapper": True, "freezing": True}}

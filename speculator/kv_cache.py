@@ -34,7 +34,7 @@ from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.model_info import CACHE_ARGUMENT, context_length
 from specboost.speculator.tree_attention import tree_attention_mask
 
-CAPACITY_STEP = 128  # capacities are multiples of this (one compiled graph per capacity)
+CAPACITY_STEP = 128  # capacities are multiples of this by default (one compiled graph per capacity)
 NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes: nodes per row, padded
 COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
 COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly

@@ -12,9 +12,11 @@ windows of `WINDOW` steps (fewer in batches, whose steps carry more tokens), kee
 sums of tokens and wall seconds over its windows, all decayed by MOMENTUM per window of either (a
 regime's rate stays what it last measured, and a trial after a long wait is judged by what it
 measures now), and runs the regime with the higher measured rate. The other regime is tried again
-for one window after `wait` windows, and `wait` doubles each time that trial loses (FIRST_WAIT,
-2 FIRST_WAIT, ... MAX_WAIT windows): where speculation never pays, the trials cost a few percent
-and then less. One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8.
+for one window after `wait` windows; `wait` doubles each time that trial loses (FIRST_WAIT,
+2 FIRST_WAIT, ... MAX_WAIT windows) and halves when it wins: where speculation never pays, the
+trials cost a few percent and then less, and a trial that wins on one window's lucky text (the
+router's rate follows the text, plain decoding's hardly) does not bring back frequent trials.
+One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class SpeculationGate:
             return
         best = self.on if rates[self.on] >= rates[other] else other
         if self.trial:  # the window tried the regime that had lost: keep it if it won now
-            self.wait = FIRST_WAIT if best == self.on else min(2 * self.wait, MAX_WAIT)
+            self.wait = max(FIRST_WAIT, self.wait // 2) if best == self.on else min(2 * self.wait, MAX_WAIT)
             self.trial, self.on, self.since = False, best, 0
             return
         if best != self.on:  # measured evidence turned: follow it

@@ -140,16 +140,21 @@ def test_close_with_cancel_resolves_everything() -> None:
     assert all(handle.done() for handle in handles)
 
 
-def break_engine_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the engine's own loop (not a group's round) raise `Boom` once a group is drafted."""
+def break_engine_loop(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the engine's own loop (not a group's round) raise `Boom` once a group is drafted and
+    the returned event is set (so a test can submit all its requests first: CI had seen the engine
+    fail between two submits, refusing the second)."""
     take = Engine._take_pooled
+    release = threading.Event()
 
     def broken(self: Engine) -> object:
         if take(self) is not None:
+            assert release.wait(TIMEOUT)
             raise Boom("engine bug")
         return None
 
     monkeypatch.setattr(Engine, "_take_pooled", broken)
+    return release
 
 
 class Boom(RuntimeError):
@@ -189,9 +194,10 @@ def test_worker_error_fails_the_affected_requests(pipeline: bool, side: str, cou
 def test_an_engine_error_fails_every_open_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error in the engine's own loop (outside a group's rounds) fails every open request,
     queued or running, and the engine refuses new ones."""
-    break_engine_loop(monkeypatch)
+    release = break_engine_loop(monkeypatch)
     engine = Engine(decoder(), EngineConfig(batch_size=1, num_groups=2))
     handles = [engine.submit(row, max_new_tokens=MAX_NEW) for row in prompts(8, LENGTHS[:4])]
+    release.set()
     for handle in handles:
         with pytest.raises(Boom, match="engine bug"):
             handle.result(TIMEOUT)

@@ -60,6 +60,7 @@ def test_a_trial_that_wins_takes_over() -> None:
     regimes = run(gate, 30, {True: 2000.0, False: 1000.0})
     assert regimes.index(True) == 4 * FIRST_WAIT  # the next trial
     assert gate.on and regimes[-20:].count(False) <= 3  # only plain decoding's trials
+    assert gate.wait >= 2 * FIRST_WAIT  # halved by the win (8 -> 4), then doubled by each lost trial
 
 
 def drafting_in_vain() -> tuple[torch.nn.Module, SpeculativeDecoder]:

@@ -263,11 +263,12 @@ def test_a_refused_request_ends_its_stream() -> None:
 
 def test_engine_error_and_close_end_every_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error of the engine itself, and `close(cancel=True)`, end every open stream once."""
-    break_engine_loop(monkeypatch)
+    release = break_engine_loop(monkeypatch)
     recorders = [Recorder() for _ in range(4)]
     engine = Engine(decoder(), EngineConfig(batch_size=1, num_groups=2))
     for row, recorder in zip(prompts(9, LENGTHS[:4]), recorders, strict=True):
         engine.submit(row, max_new_tokens=8, streamer=recorder)
+    release.set()
     assert all(recorder.ended.wait(TIMEOUT) for recorder in recorders)
     engine.close(timeout=TIMEOUT)
     assert all(recorder.ends == 1 for recorder in recorders)
