@@ -60,9 +60,12 @@ class RoutedDrafting:
             self.chains.warm(max(len(row.tokens) + row.stop.remaining for row in rows))
 
     def wants_hidden(self) -> bool:
-        """Whether this step's verification must return the hidden states: only when the router
-        may decide the next step (the gate is on, or may turn on after this step)."""
-        return self._gate is None or self._gate.on or self._gate.window_ends
+        """Whether this step's verification must return the hidden states: only while the gate is
+        on. The first step after the gate turns on then has no state to route on, and the router
+        takes a plain step (`ChainRouter.predict`): computing the states at every window's end had
+        cost 10% of an off stretch's time (a pass with another graph, and on the CPU its own
+        frozen copy of the weights, once every 16 steps)."""
+        return self._gate is None or self._gate.on
 
     def propose(
         self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]

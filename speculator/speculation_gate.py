@@ -81,11 +81,6 @@ class SpeculationGate:
         self._window = [0, 0.0, 0]
         self._choose()
 
-    @property
-    def window_ends(self) -> bool:
-        """Whether the next step ends a window (after it the regime may change)."""
-        return self._window[2] == self.window - 1
-
     def _choose(self) -> None:
         """After a window: keep the better regime, try the other after `wait` windows."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}

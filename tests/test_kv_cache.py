@@ -283,3 +283,27 @@ def test_a_compiled_pass_runs_its_expected_shapes_once_per_rows_and_capacity() -
     assert shapes == [(2, 3, False), (4, 4, True), (2, 2, False), (2, 2, False)]
     for logits in outputs[1:]:
         torch.testing.assert_close(logits, outputs[0])
+
+
+def test_a_compiled_pass_is_warmed_at_every_smaller_row_bucket() -> None:
+    """A group shrinks through the row buckets as its rows finish, but one step may finish several
+    rows and skip a bucket: the first cache of (rows, capacity) to meet the call also runs every
+    expected shape at each smaller bucket of that capacity, so a run that skips no bucket compiles
+    nothing that a run skipping one did not (the quick suite had compiled graphs in timed runs)."""
+    llm = llm_for("llama")
+    rows: list[tuple[int, int]] = []
+
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows.append((args[2].shape[0], args[2].shape[1]))  # rows, nodes
+        return tree_pass(*args)
+
+    call = CompiledPass(spy)
+    call.expected = {PassShape(1, 1, False), PassShape(2, 2, True)}
+    cache = TreeCache(llm, 3, CAPACITY_STEP, call)
+    cache.feed_chains([[3, 4, 5], [6, 7], [8]], eager=True)
+    cache.feed_chains([[9], [9], [9]])
+    assert rows == [(4, 1), (4, 2), (2, 1), (2, 2), (1, 1), (1, 2), (4, 1)]
+    assert call.met == {(4, CAPACITY_STEP), (2, CAPACITY_STEP), (1, CAPACITY_STEP)}
+    cache.select([0])  # one row left: its bucket was met, nothing runs before its pass
+    cache.feed_chains([[10]])
+    assert rows[7:] == [(1, 1)]

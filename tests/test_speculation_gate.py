@@ -12,7 +12,7 @@ from test_scheduler import constant_predictor
 
 from specboost.decoder import SpeculativeDecoder
 from specboost.decoder.batched import BatchedDecoder
-from specboost.speculator.chain_router import ChainRouter
+from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.speculator.speculation_gate import FIRST_WAIT, MAX_WAIT, WINDOW, SpeculationGate
 
 
@@ -88,24 +88,33 @@ def test_declining_through_the_gate_is_lossless_and_mostly_off() -> None:
     assert out.stats.strategy["actions"]["off"] == gate["steps_off"]
 
 
-def test_the_router_always_decides_on_fresh_hidden_states(monkeypatch) -> None:
-    """While the gate is off the LLM's passes skip the hidden states; the pass before a step the
-    router may decide returns them, so every decision reads the state of the text as it is (none
-    is left over from an earlier pass), in a batch as in one sequence."""
+def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
+    """While the gate is off the LLM's passes skip the hidden states; the first step after it turns
+    on has none and is a plain step, every later one reads the state of the text as it is (none is
+    left over from an earlier pass), in a batch as in one sequence."""
     llm, decoder = drafting_in_vain()
-    seen = []
-    plan = ChainRouter.plan
-    monkeypatch.setattr(
-        ChainRouter,
-        "plan",
-        lambda self, hidden, *args: seen.append(list(hidden)) or plan(self, hidden, *args),
-    )
+    steps = []  # per step: the gate's regime, and which rows have a hidden state
+    propose = RoutedDrafting.propose
+
+    def recorded(self, rows, *args):
+        drafted = propose(self, rows, *args)
+        steps.append((self._gate.on, [row.hidden is not None for row in rows], self.levels(0)))
+        return drafted
+
+    monkeypatch.setattr(RoutedDrafting, "propose", recorded)
     for rows in (1, 3):
         prompts = torch.randint(0, VOCAB, (rows, 6), generator=torch.Generator().manual_seed(rows))
         out = BatchedDecoder(decoder).generate(prompts, max_new_tokens=120)
         for b in range(rows):
             alone = llm.generate(prompts[b : b + 1], max_new_tokens=120, do_sample=False)
             assert torch.equal(out.sequences[b], alone[0])
+        after_off = False  # the prompt's pass returns the states
+        for on, known, levels in steps:
+            if on:
+                assert known == [not after_off] * len(known)
+                assert levels == 0 or not after_off  # no state: a plain step
+            after_off = not on
+        assert any(on and not known[0] for on, known, _ in steps)  # the gate did turn on again
+        steps.clear()
     gates = decoder.speculator.gates
     assert all(gate.steps[False] > 0 for gate in gates.values()) and len(gates) == 2
-    assert seen and all(h is not None for hidden in seen for h in hidden)

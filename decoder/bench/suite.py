@@ -148,6 +148,7 @@ class SuiteConfig(Protocol):
     shapes: Shapes = field(default_factory=Shapes)
     compiled: bool = True  # also the torch.compile'd rows (plain_compiled, chain[i]+compiled, ...)
     methods: tuple[str, ...] | None = None  # method families to run (plain always); None: the suite's
+    without: tuple[str, ...] = ()  # method families left out of the suite's rows
 
     # The `specboost bench` options a suite takes (others are refused with --suite).
     options: ClassVar[tuple[str, ...]] = (
@@ -171,7 +172,7 @@ class SuiteConfig(Protocol):
             raise ValueError(
                 "sampled_pool (--sampled-pool) serves the sampled rows beside llm and pool: give all three"
             )
-        unknown = sorted(set(self.methods or ()) - set(METHOD_FAMILIES))
+        unknown = sorted(set(self.methods or ()).union(self.without) - set(METHOD_FAMILIES))
         if unknown:
             raise ValueError(f"unknown bench methods {unknown}; choose from {list(METHOD_FAMILIES)}")
 
@@ -195,7 +196,7 @@ class SuiteConfig(Protocol):
             data["decodings"] = tuple(Decoding(**d) for d in data["decodings"])
         if "shapes" in data:
             data["shapes"] = Shapes(**data["shapes"])
-        for name in ("categories", "batch_sizes", "ssms", "methods"):
+        for name in ("categories", "batch_sizes", "ssms", "methods", "without"):
             if name in data:
                 data[name] = tuple(data[name])
         return cls(**data)
@@ -213,6 +214,8 @@ class SuiteConfig(Protocol):
         if name.endswith("compiled") and not self.compiled:
             return False
         family = re.sub(r"\[[^]]*\]", "", name)
+        if family in self.without:
+            return False
         if self.methods is None:  # the suite's rows: Stairs with SSM 0 alone, no topology
             return name != "pool_topology" and (family != "stairs" or name == "stairs[0]")
         return name == PLAIN or family in self.methods
