@@ -198,7 +198,7 @@ class SequenceGroup:
             return
         new = self.rows[len(self.rows) - self._unread :]
         prefixes = [row.tokens[:-1] for row in new]
-        longest = max(len(row.tokens) + row.stop.remaining for row in self.rows)
+        longest = max(row.final_length for row in self.rows)
         fresh = TreeCache(
             self.llm,
             len(prefixes),

@@ -11,8 +11,8 @@ drafting step is each SSM's `BatchedChainDrafter.draft_greedy` of a d-token chai
 one-token catch-up first) followed by the LLM's pass over those chains, each part timed, so that
 each part pays for the other's passes having pushed its weights out of the CPU's caches, as it does
 in the loop; a plain step is the LLM's one-node pass after another one. Each number is the median
-of `repeats` timed runs, each after an untimed run of itself (the step before it in a stretch of
-that action); CUDA is synchronised around every timed part.
+of `repeats` timed runs, each after `ProfileConfig.settle` untimed runs of itself (the steps before
+it in a stretch of that action); CUDA is synchronised around every timed part.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class RoutedDrafting:
     def _warm(self, rows: list[SequenceState]) -> None:
         """Size the drafters for the rows' final lengths (`RoutedChains.warm`)."""
         if rows:
-            self.chains.warm(max(len(row.tokens) + row.stop.remaining for row in rows))
+            self.chains.warm(max(row.final_length for row in rows))
 
     def wants_hidden(self) -> bool:
         """Whether this step's verification must return the hidden states: only while the gate is

@@ -97,6 +97,11 @@ class SequenceState:
     def new_tokens(self) -> list[int]:
         return self.tokens[self.prompt_length :]
 
+    @property
+    def final_length(self) -> int:
+        """The most tokens the row can hold: its text and the tokens still wanted."""
+        return len(self.tokens) + self.stop.remaining
+
     def max_depth(self, max_positions: int | None) -> int:
         """As `SpeculativeDecoder._max_depth`: no deeper than the tokens still wanted (one comes
         from the LLM) nor past the context (the root sits at position len - 1)."""

@@ -198,6 +198,8 @@ def _learned(
         )
         return _pool(llm, ssms, pool, inputs)
     chains = (inputs.options.actions or "chains") == "chains"
+    if inputs.options.gate is not None and not chains:
+        raise ValueError("StrategyOptions(gate=...) is for the routed chains; drop it with actions='trees'")
     cost = _cost_model(llm, pool, inputs)
     if cost is None or (chains and not cost.has_chain_costs):
         logger.warning(
@@ -208,8 +210,6 @@ def _learned(
         cost = profile(
             llm, ssms, ProfileConfig(widths=predictor.config.widths, depths=predictor.config.depths)
         )
-    if inputs.options.gate is not None and not chains:
-        raise ValueError("StrategyOptions(gate=...) is for the routed chains; drop it with actions='trees'")
     if chains:
         return RoutedScheduler(ssms, predictor, cost, gated=inputs.options.gate is not False)
     fallback = inputs.shape if isinstance(inputs.shape, BeamShape) else None

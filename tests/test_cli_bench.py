@@ -221,6 +221,9 @@ def test_bench_cli_prints_the_table(
 def test_bench_config_rejects_unknown_methods(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown bench methods"):
         SuiteConfig(**FILE_BENCH | {"methods": ("plain", "medusa")}, llm="x", ssms=("y",), prompts="p.txt")
+    with pytest.raises(ValueError, match=r"unknown bench methods \['medusa'\]"):
+        SuiteConfig(without=("medusa",))
+    assert not SuiteConfig(without=("chain+compiled",)).wanted("chain[1]+compiled")
 
 
 # Prompt files -----------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from conftest import VOCAB, tiny_llama
 from test_routed_scheduler import routed_decoder
 from test_scheduler import constant_predictor
 
-from specboost.decoder import SpeculativeDecoder
+from specboost.decoder import SpeculativeDecoder, StrategyOptions, strategies
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.speculator.speculation_gate import FIRST_WAIT, MAX_WAIT, WINDOW, SpeculationGate
@@ -118,3 +119,18 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
         steps.clear()
     gates = decoder.speculator.gates
     assert all(gate.steps[False] > 0 for gate in gates.values()) and len(gates) == 2
+
+
+def test_the_gate_is_refused_for_the_beam_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`StrategyOptions(gate=...)` sets the routed chains' gate: with actions="trees" it is refused
+    before anything is profiled, with a message that says what to drop."""
+    monkeypatch.setattr(strategies, "profile", lambda *_, **__: pytest.fail("profiled before refusing"))
+    llm = tiny_llama(layers=2, seed=0)
+    with pytest.raises(ValueError, match=r"gate=\.\.\.\) is for the routed chains"):
+        SpeculativeDecoder(
+            llm,
+            [tiny_llama(layers=1, seed=5)],
+            strategy="learned",
+            predictor=constant_predictor([[[1.0, 4.0]] * 2]),
+            strategy_options=StrategyOptions(actions="trees", gate=False),
+        )
