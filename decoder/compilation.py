@@ -17,6 +17,7 @@ compiled the first time a cache of some rows and capacity meets the call (`Compi
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from types import FunctionType
@@ -29,6 +30,7 @@ from specboost.speculator.kv_cache import (
     COMPILED_MAX_CHAIN,
     COMPILED_MAX_NODES,
     CompiledPass,
+    PassFunction,
     PassShape,
     node_bucket,
     tree_pass,
@@ -38,9 +40,6 @@ from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.speculation import Speculator
 
 CompileSetting = bool | Literal["auto"]
-# Graphs per compiled call: row buckets x node buckets x capacities in use. dynamo's default of 8
-# recompilations per code object would fall back to eager after a few shapes.
-RECOMPILE_LIMIT = 64
 ACCUMULATED_LIMIT = 1024  # graphs of all models of a process together (a benchmark compiles many)
 
 
@@ -73,18 +72,13 @@ class ModelCalls:
         if enabled:
             check_can_compile(device)
             config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
             config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, ACCUMULATED_LIMIT)
 
     def get(self, model: PreTrainedModel) -> CompiledPass | None:
         if not self.enabled:
             return None
         if id(model) not in self._calls:
-            self._calls[id(model)] = CompiledPass(
-                torch.compile(
-                    own_code(tree_pass), fullgraph=False, dynamic=False, **compile_options(model.device)
-                )
-            )
+            self._calls[id(model)] = CompiledPass(functools.partial(compiled_tree_pass, model.device))
         return self._calls[id(model)]
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
@@ -145,11 +139,17 @@ def level_passes(beams: set[tuple[int, int]], rows: int) -> set[PassShape]:
     return passes
 
 
+def compiled_tree_pass(device: torch.device) -> PassFunction:
+    """`torch.compile` of a copy of `tree_pass` of its own: `CompiledPass` asks for one per model
+    and pass key."""
+    return torch.compile(own_code(tree_pass), fullgraph=False, dynamic=False, **compile_options(device))
+
+
 def own_code(function: FunctionType) -> FunctionType:
     """A copy of `function` with a code object of its own. torch.compile keeps the graphs it builds
     per code object, checked one after another at every call and capped at `recompile_limit`: one
-    copy per model keeps each model's few graphs apart, however many models a process compiles
-    (the benchmark suite compiles a dozen)."""
+    copy per model and pass key keeps their graphs apart, however many models a process compiles
+    (the benchmark suite compiles a dozen) and however many shapes each meets."""
     return FunctionType(
         function.__code__.replace(),
         function.__globals__,

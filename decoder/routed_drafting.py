@@ -19,7 +19,7 @@ from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing
-from specboost.speculator.kv_cache import compile_count
+from specboost.speculator.kv_cache import setup_count
 from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler
 from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
@@ -41,7 +41,7 @@ class RoutedDrafting:
         self._gate: SpeculationGate | None = None  # the step's
         self._drafting = 0.0
         self._start = 0.0  # when the step's drafting began
-        self._compiles = 0  # graphs compiled in the process by then
+        self._setups = 0  # `setup_count()` when the step began
 
     def add(self, rows: list[SequenceState]) -> None:
         self.chains.add(len(rows))
@@ -74,7 +74,7 @@ class RoutedDrafting:
         the router chooses the length. A plain step for every row where the gate is off."""
         texts = [row.tokens for row in rows]
         start = self._start = time.perf_counter()
-        self._compiles = compile_count()
+        self._setups = setup_count()
         gate = self._gate = self.scheduler.gate(len(rows))
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
@@ -112,7 +112,7 @@ class RoutedDrafting:
         return self._plan.lengths[row] if self._plan is not None else 0
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
-        if self._gate is not None and compile_count() == self._compiles:  # else it timed compiling
+        if self._gate is not None and setup_count() == self._setups:  # else it timed setting up
             emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
             self._gate.step(emitted, time.perf_counter() - self._start)
         if self._plan is None:

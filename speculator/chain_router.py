@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.kv_cache import COMPILED_MAX_CHAIN, compile_count
+from specboost.speculator.kv_cache import COMPILED_MAX_CHAIN, setup_count
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.scheduler import CostCorrection, OnlineCalibration
 
@@ -128,7 +128,7 @@ class ChainRouter:
         )
         self.stretches = Stretches(self.num_ssms)
         self._idle = 0  # plain steps whose ageing of the evidence is still to apply (`_age`)
-        self._compiles = compile_count()
+        self._setups = setup_count()
         plain = max(float(self.cost_model.chain_verify_time(1, np.array([1]))[0]), 1e-9)
         cheapest = max(float(self._costs(1)[1][:, 1].min()), 1e-9)
         # Drafting steps correct (v, g); plain steps their own verify factor: a pass after the
@@ -201,7 +201,7 @@ class ChainRouter:
         wanted; with `pacing` (the group's), a plain step without deciding when it says so.
         `behind()` [B, S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
         one each, as after a step it drafted); asked only where a catch-up can cost more."""
-        self._compiles = compile_count()
+        self._setups = setup_count()
         if pacing is not None and not pacing.due():
             return self.plain(max_depths)
         self._age()
@@ -316,7 +316,7 @@ class ChainRouter:
         cost; what it ages (the estimates, the drafting steps' costs: so that drafting is tried
         again) is aged at the next decision, all such steps at once (`_age`): declining costs a
         few float operations per step, as plain decoding costs nothing to decide."""
-        measured = compile_count() == self._compiles  # else the step compiled: its seconds say nothing
+        measured = setup_count() == self._setups  # else it compiled or warmed: its seconds say nothing
         drafting = np.flatnonzero(plan.ssm != NO_SSM) if plan.depth_index >= 0 else ()
         if not len(drafting):
             self._idle += 1

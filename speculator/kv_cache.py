@@ -22,6 +22,7 @@ compiles them all the first time any cache of its rows and capacity meets the ca
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,6 +34,8 @@ from transformers.cache_utils import Cache, StaticLayer
 from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.model_info import CACHE_ARGUMENT, context_length
 from specboost.speculator.tree_attention import tree_attention_mask
+
+logger = logging.getLogger(__name__)
 
 CAPACITY_STEP = 128  # capacities are multiples of this by default (one compiled graph per capacity)
 NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes: nodes per row, padded
@@ -48,29 +51,82 @@ class PassShape(NamedTuple):
     hidden: bool  # the pass returns the last hidden states too
 
 
+PassFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # `tree_pass`'s signature
+# Compiled functions per model call: on the CPU each graph holds its own frozen copy of the
+# weights, so a call that meets more pass keys (a server meeting many capacities) runs the others
+# eagerly, with a warning, as dynamo's recompile limit had.
+MAX_FUNCTIONS = 64
+
+
 class CompiledPass:
     """A model's compiled `tree_pass` and the pass shapes its decoder expects (`expected`, empty:
     none). The first time a cache of some (rows, capacity) meets the call, it compiles every
     expected shape there, before its own pass: a strategy whose shapes vary from step to step (the
     learned scheduler) then compiles nothing new once its caches' rows and capacities have been
-    met (`SpeculativeDecoder.warmup`)."""
+    met (`SpeculativeDecoder.warmup`).
 
-    def __init__(self, function: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-        self.function = function
+    Every pass key (rows, nodes, fed nodes seen, hidden states or not, capacity) gets a function of
+    its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile checks a
+    code object's graphs one after another at every call, and the learned scheduler's LLM call
+    holds dozens (every verify size, with and without hidden states, at every capacity met), which
+    had made each of its plain steps cost up to 0.13 ms more than the plain loop's on the CPU."""
+
+    def __init__(self, make: Callable[[], PassFunction]) -> None:
+        self.make = make
+        self.functions: dict[tuple[int, ...], PassFunction] = {}
+        self.full = False  # MAX_FUNCTIONS met: new keys run eagerly
         self.expected: set[PassShape] = set()
         self.met: set[tuple[int, int]] = set()  # (physical rows, capacity) of the caches warmed
 
-    def __call__(self, *args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.function(*args)
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        cache: StaticCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        fed_positions: torch.Tensor,
+        counts: torch.Tensor,
+        layout: AttentionLayout,
+        dtype: torch.dtype,
+        output_hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = (*tokens.shape, visible.shape[2], output_hidden, cache.layers[0].max_cache_len)
+        function = self.functions.get(key)
+        if function is None:
+            if len(self.functions) < MAX_FUNCTIONS:
+                function = self.functions[key] = self.make()
+            else:
+                if not self.full:
+                    logger.warning(
+                        "%d compiled passes of %s met: passes of other shapes run eagerly (start a new "
+                        "decoder, or keep the lengths and batch sizes of the requests in fewer buckets)",
+                        MAX_FUNCTIONS,
+                        type(model).__name__,
+                    )
+                    self.full = True
+                function = tree_pass
+        return function(
+            model, cache, tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden
+        )
 
     def __deepcopy__(self, memo: dict[int, object]) -> CompiledPass:
         return self  # shared, as the model is, by the copies of a speculator (one per sequence of a batch)
 
 
-def compile_count() -> int:
-    """Graphs torch.compile has compiled so far in this process (torch._dynamo's own counter): a
-    step during which it moved measured compiling, not decoding."""
-    return torch._dynamo.utils.counters["frames"]["total"]
+class _Setup:
+    """Warm-up passes run and caches grown so far in this process (`setup_count`)."""
+
+    events = 0
+
+
+def setup_count() -> int:
+    """Graphs torch.compile has compiled (torch._dynamo's own counter), warm-up passes run and
+    caches grown so far in this process: a step during which it moved measured setting up, not
+    decoding. A cache's first meeting with a new capacity runs every expected pass there
+    (`TreeCache._warm`, about 0.2 s at batch 8 on the quick suite's fixture): timed as a step, it had
+    made plain decoding look ten times slower than it is to the speculation gate (ALGORITHMS.md 5.4)."""
+    return torch._dynamo.utils.counters["frames"]["total"] + _Setup.events
 
 
 def bucket(n: int) -> int:
@@ -288,6 +344,7 @@ class TreeCache:
         past `start` (the fed nodes)."""
         call, rows = self.compiled, self.physical_rows
         call.met.add((rows, self.capacity))
+        _Setup.events += 1
         counts = self._counts(rows, start)
         for nodes, keys, hidden in sorted(call.expected):
             if start + nodes <= self.capacity:
@@ -400,6 +457,7 @@ class TreeCache:
                 f"{needed - self.width} tree nodes after {self.width} cached positions exceed the cache's "
                 f"capacity limit of {self.max_capacity} positions: draft smaller trees"
             )
+        _Setup.events += 1
         old, self.capacity = self.cache, capacity_for(needed)
         self.cache = FullStaticCache(self.num_layers, self.capacity)
         used = self.width + self.pending

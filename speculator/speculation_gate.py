@@ -16,6 +16,10 @@ for one window after `wait` windows; `wait` doubles each time that trial loses (
 2 FIRST_WAIT, ... MAX_WAIT windows) and halves when it wins: where speculation never pays, the
 trials cost a few percent and then less, and a trial that wins on one window's lucky text (the
 router's rate follows the text, plain decoding's hardly) does not bring back frequent trials.
+A regime's rate stays what it last measured until it runs again, so one step timed while the
+decoder set itself up (a compile, a cache's warm-up at a capacity it had not met, a growth: about
+0.2 s against 2 ms steps at batch 8) would hold the gate in the other regime for up to MAX_WAIT
+windows: such steps (`setup_count`) are not measured.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8.
 """
 

@@ -75,14 +75,16 @@ def test_compile_without_a_compiler_names_the_fallback(monkeypatch: pytest.Monke
         SpeculativeDecoder(llm, [llm], compile=True)
 
 
-def test_every_model_keeps_its_compiled_graphs_apart() -> None:
-    """torch.compile caps the graphs of one code object (recompile_limit): each model's tree pass
-    is a copy of its own, so a process compiling many models (the benchmark suite) never falls
-    back to eager."""
+def test_every_model_and_pass_key_keeps_its_compiled_graphs_apart() -> None:
+    """torch.compile checks the graphs of one code object one after another at every call, and caps
+    them (recompile_limit): each model's call makes a copy of the tree pass of its own for every
+    pass key (`CompiledPass`), so a process compiling many models and shapes (the benchmark suite,
+    the learned scheduler) neither scans dozens of graphs per step nor falls back to eager."""
     llm, ssm = tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
     calls = compilation.ModelCalls(llm.device, enabled=True)
-    codes = {id(calls.get(model).function._torchdynamo_orig_callable.__code__) for model in (llm, ssm)}
-    assert len(codes) == 2 and calls.get(llm) is calls.get(llm)
+    functions = [calls.get(model).make() for model in (llm, ssm, llm)]
+    codes = {id(function._torchdynamo_orig_callable.__code__) for function in functions}
+    assert len(codes) == 3 and calls.get(llm) is calls.get(llm)
 
 
 def two_ssms_and_a_random_predictor(

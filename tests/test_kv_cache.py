@@ -7,6 +7,8 @@ checked on real models."""
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,8 +21,16 @@ from specboost.decoder.sequence import SequenceState
 from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
-from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape
-from specboost.speculator.kv_cache import CAPACITY_STEP, CompiledPass, PassShape, TreeCache, bucket, tree_pass
+from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape, kv_cache
+from specboost.speculator.kv_cache import (
+    CAPACITY_STEP,
+    CompiledPass,
+    PassShape,
+    TreeCache,
+    bucket,
+    setup_count,
+    tree_pass,
+)
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.tree import DraftKind, TokenTree, TreeBatch
 
@@ -94,7 +104,9 @@ def test_rows_after_tree_passes_equal_recomputed_texts(
     `padded`, the cache pads rows and nodes to their buckets as it does for a compiled model (the
     "compiled" pass here is the eager `tree_pass`)."""
     llm = llm_for(arch)
-    cache = TreeCache(llm, len(prompts), CAPACITY_STEP, compiled=CompiledPass(tree_pass) if padded else None)
+    cache = TreeCache(
+        llm, len(prompts), CAPACITY_STEP, compiled=CompiledPass(lambda: tree_pass) if padded else None
+    )
     assert cache.physical_rows == (bucket(len(prompts)) if padded else len(prompts))
     texts = [p[:-1] for p in prompts]  # the LLM caches every verified token but the root
     roots = [p[-1] for p in prompts]
@@ -273,7 +285,7 @@ def test_a_compiled_pass_runs_its_expected_shapes_once_per_rows_and_capacity() -
         shapes.append((args[2].shape[1], args[5].shape[1], args[-1]))  # nodes, keys, hidden
         return tree_pass(*args)
 
-    call = CompiledPass(spy)
+    call = CompiledPass(lambda: spy)
     call.expected = {PassShape(2, 3, False), PassShape(4, 4, True)}
     eager, warmed, again = (TreeCache(llm, 1, CAPACITY_STEP, c) for c in (None, call, call))
     outputs = []
@@ -297,7 +309,7 @@ def test_a_compiled_pass_is_warmed_at_every_smaller_row_bucket() -> None:
         rows.append((args[2].shape[0], args[2].shape[1]))  # rows, nodes
         return tree_pass(*args)
 
-    call = CompiledPass(spy)
+    call = CompiledPass(lambda: spy)
     call.expected = {PassShape(1, 1, False), PassShape(2, 2, True)}
     cache = TreeCache(llm, 3, CAPACITY_STEP, call)
     cache.feed_chains([[3, 4, 5], [6, 7], [8]], eager=True)
@@ -307,3 +319,57 @@ def test_a_compiled_pass_is_warmed_at_every_smaller_row_bucket() -> None:
     cache.select([0])  # one row left: its bucket was met, nothing runs before its pass
     cache.feed_chains([[10]])
     assert rows[7:] == [(1, 1)]
+
+
+def test_a_compiled_call_has_a_function_per_pass_key() -> None:
+    """Each (rows, nodes, fed nodes seen, hidden, capacity) gets a function of its own, made once:
+    its compiled graphs are never scanned by a pass of another key."""
+    made: list[int] = []
+
+    def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+        made.append(len(made))
+        return tree_pass
+
+    call = CompiledPass(make)
+    cache = TreeCache(llm_for("llama"), 1, CAPACITY_STEP, call)
+    cache.feed_chains([[3, 4, 5]], eager=True)
+    for chain in ([6], [7, 8], [9], [10, 11]):
+        cache.feed_chains([chain])
+    cache.feed_chains([[8] * CAPACITY_STEP], eager=True)  # grows: a new capacity
+    cache.feed_chains([[12]])
+    capacities = [key[-1] for key in call.functions]
+    assert len(made) == len(call.functions) == 3 and capacities == [CAPACITY_STEP] * 2 + [2 * CAPACITY_STEP]
+
+
+def test_a_compiled_call_past_its_function_limit_runs_new_keys_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each compiled function holds graphs (on the CPU, each its own frozen copy of the weights): past
+    MAX_FUNCTIONS keys a call runs new ones eagerly, and says so once."""
+    monkeypatch.setattr(kv_cache, "MAX_FUNCTIONS", 1)
+    made: list[int] = []
+    call = CompiledPass(lambda: made.append(1) or tree_pass)
+    cache = TreeCache(llm_for("llama"), 1, CAPACITY_STEP, call)
+    cache.feed_chains([[3, 4, 5]], eager=True)
+    with caplog.at_level(logging.WARNING, logger=kv_cache.__name__):
+        for chain in ([6], [7, 8], [9, 10, 11], [12]):
+            cache.feed_chains([chain])
+    assert len(made) == len(call.functions) == 1 and call.full
+    assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_warm_ups_and_growths_count_as_setting_up() -> None:
+    """`setup_count` moves when a cache warms the expected passes at a (rows, capacity) it had not
+    met and when it grows, not on a pass that only decodes: the speculation gate and the cost
+    corrections leave the steps it moved in unmeasured."""
+    call = CompiledPass(lambda: tree_pass)
+    call.expected = {PassShape(1, 1, False)}
+    cache = TreeCache(llm_for("llama"), 1, CAPACITY_STEP, call)
+    cache.feed_chains([[3, 4, 5]], eager=True)
+    before = setup_count()
+    cache.feed_chains([[6]])  # the first compiled pass at this capacity: a warm-up (1 row: one bucket)
+    assert setup_count() == before + 1
+    cache.feed_chains([[7]])  # met: decoding only
+    assert setup_count() == before + 1
+    cache.feed_chains([[8] * CAPACITY_STEP], eager=True)  # past the capacity: it grows
+    assert cache.capacity == 2 * CAPACITY_STEP and setup_count() == before + 2

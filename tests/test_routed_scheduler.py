@@ -197,7 +197,7 @@ def test_a_step_that_compiled_corrects_no_cost(monkeypatch: pytest.MonkeyPatch) 
     which torch.compile compiled corrects no cost (before, 20 s against 1.4 ms held v at its bound
     for about a hundred drafting steps, and the quick suite's router declined 98% of its steps)."""
     compiled = [0]
-    monkeypatch.setattr(chain_router, "compile_count", lambda: compiled[0])
+    monkeypatch.setattr(chain_router, "setup_count", lambda: compiled[0])
     router = ChainRouter(constant_predictor([[[0.9, 3.5]] * 2]), cost_table(1, VERIFY, SPECULATE), None, 0.9)
     hidden, wanted = [torch.zeros(32)], [1000]
     actions = []

@@ -4,6 +4,7 @@ throughput, its trials of the losing regime, and decoding through it (still the 
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from conftest import VOCAB, tiny_llama
 from test_routed_scheduler import routed_decoder
 from test_scheduler import constant_predictor
 
-from specboost.decoder import SpeculativeDecoder, StrategyOptions, strategies
+from specboost.decoder import SpeculativeDecoder, StrategyOptions, routed_drafting, strategies
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.speculator.speculation_gate import FIRST_WAIT, MAX_WAIT, WINDOW, SpeculationGate
@@ -119,6 +120,38 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
         steps.clear()
     gates = decoder.speculator.gates
     assert all(gate.steps[False] > 0 for gate in gates.values()) and len(gates) == 2
+
+
+def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step timed while a cache warmed up at a capacity it had not met (or grew, or compiled)
+    measured setting up: the gate leaves it out. Before, one such step (0.2 s against steps of 2 ms,
+    batch 8 on the quick suite's fixture) had made plain decoding look ten times slower than the
+    router, and the gate kept the router on for the rest of the table."""
+    llm, decoder = drafting_in_vain()
+    setups, timed = [0], []
+    monkeypatch.setattr(routed_drafting, "setup_count", lambda: setups[0])
+    step = SpeculationGate.step
+
+    def recorded(gate: SpeculationGate, tokens: int, seconds: float) -> None:
+        timed.append(seconds)
+        step(gate, tokens, seconds)
+
+    monkeypatch.setattr(SpeculationGate, "step", recorded)
+    propose = RoutedDrafting.propose
+
+    def slow_setup(self, rows, *args):
+        drafted = propose(self, rows, *args)
+        if len(timed) % 10 == 3:  # now and then a step sets something up, slowly
+            setups[0] += 1
+            time.sleep(0.05)
+        return drafted
+
+    monkeypatch.setattr(RoutedDrafting, "propose", slow_setup)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=60)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
+    assert setups[0] >= 5 and len(timed) == out.stats.llm_steps - setups[0]
+    assert max(timed) < 0.05
 
 
 def test_the_gate_is_refused_for_the_beam_rule(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from specboost.decoder.bench.markdown import (
     results_page,
     speculative,
 )
-from specboost.decoder.bench.protocol import Report
+from specboost.decoder.bench.protocol import GREEDY, Plan, Report, run_cells
 from specboost.decoder.bench.records import Cell, CellRun, RunRecord, row_stats
 from specboost.decoder.bench.suite import SuiteConfig
 from specboost.decoder.bench.summary import (
@@ -659,3 +659,18 @@ def test_per_category_the_fastest_single_chain_stands_beside_learned_and_general
         "| all | `chain[1]+compiled` 2.40x | 1.85x (0.77x) | 2.67x (1.11x) |",
     ]
     assert chains_by_category(tables([batch_run("greedy", True)])[0]) is None  # no single chain
+
+
+def test_a_run_where_every_cell_is_skipped_says_why_instead_of_writing_an_empty_report() -> None:
+    """Every category short of prompts: the report had no table and crashed on its first line
+    (IndexError in `models_line`)."""
+    plan = Plan(
+        [(GREEDY, 8)], ["stories", "qa"], lambda category, size: f"2 prompts, {size} needed", None, {}
+    )
+    with pytest.raises(ValueError, match=r"every cell was skipped \(greedy, batch 8: 2 prompts, 8 needed"):
+        run_cells(plan, SuiteConfig(), print)
+
+
+def test_a_suite_of_plain_decoding_alone_is_refused() -> None:
+    with pytest.raises(ValueError, match="nothing to compare with plain decoding"):
+        SuiteConfig(methods=("plain",))

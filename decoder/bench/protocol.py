@@ -185,6 +185,9 @@ def run_cells(plan: Plan, protocol: Protocol, log: Log) -> tuple[list[CellRun], 
                 plan.warmup_item,
             )
             runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records, warmups))
+    if not runs:  # a report needs a table: say why there is none rather than write an empty one
+        reasons = "; ".join(f"{where}: {why}" for where, notes in skipped.items() for why in notes.values())
+        raise ValueError(f"nothing was measured, every cell was skipped ({reasons})")
     return runs, skipped
 
 

@@ -175,6 +175,8 @@ class SuiteConfig(Protocol):
         unknown = sorted(set(self.methods or ()).union(self.without) - set(METHOD_FAMILIES))
         if unknown:
             raise ValueError(f"unknown bench methods {unknown}; choose from {list(METHOD_FAMILIES)}")
+        if self.methods is not None and set(self.methods) <= {"plain"}:
+            raise ValueError("methods name nothing to compare with plain decoding: add at least one other")
 
     @property
     def name(self) -> str:
