@@ -68,8 +68,9 @@ class CompiledPass:
     Every pass key (rows, nodes, fed nodes seen, hidden states or not, capacity) gets a function of
     its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile checks a
     code object's graphs one after another at every call, and the learned scheduler's LLM call
-    holds dozens (every verify size, with and without hidden states, at every capacity met), which
-    had made each of its plain steps cost up to 0.13 ms more than the plain loop's on the CPU."""
+    holds dozens (every verify size, with and without hidden states, at every capacity met): in a
+    profile of its plain steps on the CPU, dynamo's entry took 0.36 ms a call against 0.23 ms for
+    the plain loop's call."""
 
     def __init__(self, make: Callable[[], PassFunction]) -> None:
         self.make = make
