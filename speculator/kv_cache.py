@@ -93,23 +93,25 @@ class CompiledPass:
         output_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (*tokens.shape, visible.shape[2], output_hidden, cache.layers[0].max_cache_len)
-        function = self.functions.get(key)
-        if function is None:
-            if len(self.functions) < MAX_FUNCTIONS:
-                function = self.functions[key] = self.make()
-            else:
-                if not self.full:
-                    logger.warning(
-                        "%d compiled passes of %s met: passes of other shapes run eagerly (start a new "
-                        "decoder, or keep the lengths and batch sizes of the requests in fewer buckets)",
-                        MAX_FUNCTIONS,
-                        type(model).__name__,
-                    )
-                    self.full = True
-                function = tree_pass
+        function = self.functions.get(key) or self._new_function(key, model)
         return function(
             model, cache, tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden
         )
+
+    def _new_function(self, key: tuple[int, ...], model: PreTrainedModel) -> PassFunction:
+        """A compiled function for a key not met yet; past MAX_FUNCTIONS the eager pass (said once)."""
+        if len(self.functions) < MAX_FUNCTIONS:
+            function = self.functions[key] = self.make()
+            return function
+        if not self.full:
+            logger.warning(
+                "%d compiled passes of %s met: passes of other shapes run eagerly (start a new decoder, "
+                "or keep the lengths and batch sizes of the requests in fewer buckets)",
+                MAX_FUNCTIONS,
+                type(model).__name__,
+            )
+            self.full = True
+        return tree_pass
 
     def __deepcopy__(self, memo: dict[int, object]) -> CompiledPass:
         return self  # shared, as the model is, by the copies of a speculator (one per sequence of a batch)
