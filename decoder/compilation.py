@@ -32,6 +32,7 @@ from specboost.speculator.kv_cache import (
     CompiledPass,
     PassFunction,
     PassShape,
+    function_limit,
     node_bucket,
     tree_pass,
 )
@@ -78,7 +79,8 @@ class ModelCalls:
         if not self.enabled:
             return None
         if id(model) not in self._calls:
-            self._calls[id(model)] = CompiledPass(functools.partial(compiled_tree_pass, model.device))
+            make = functools.partial(compiled_tree_pass, model.device)
+            self._calls[id(model)] = CompiledPass(make, function_limit(model))
         return self._calls[id(model)]
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:

@@ -114,7 +114,7 @@ class RoutedDrafting:
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         if self._gate is not None and setup_count() == self._setups:  # else it timed setting up
             emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-            self._gate.step(emitted, time.perf_counter() - self._start)
+            self._gate.step(emitted / len(accepted), time.perf_counter() - self._start)
         if self._plan is None:
             return
         start = time.perf_counter()

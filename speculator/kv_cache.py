@@ -52,10 +52,22 @@ class PassShape(NamedTuple):
 
 
 PassFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # `tree_pass`'s signature
-# Compiled functions per model call: on the CPU each graph holds its own frozen copy of the
-# weights, so a call that meets more pass keys (a server meeting many capacities) runs the others
-# eagerly, with a warning, as dynamo's recompile limit had.
-MAX_FUNCTIONS = 64
+# Compiled functions per model call. On the CPU each graph holds its own frozen copy of the
+# weights, so a call keeps at most FUNCTION_WEIGHT_BYTES of them (and between MIN_FUNCTIONS and
+# MAX_FUNCTIONS functions) and runs the pass keys it meets after that eagerly, with a warning, as
+# dynamo's recompile limit had. A flat 64 had been too few for a small model: the learned
+# scheduler's LLM call expects 11 pass shapes at each (rows, capacity) a batch meets, and at
+# batch 8 on the quick suite (4 row buckets as rows finish, 3 capacities) the qa table's passes ran
+# eagerly, at 0.78x our plain loop with the gate off on 99% of the steps.
+FUNCTION_WEIGHT_BYTES = 2 << 30
+MIN_FUNCTIONS = 64
+MAX_FUNCTIONS = 1024
+
+
+def function_limit(model: torch.nn.Module) -> int:
+    """How many compiled functions a call of `model` keeps (see FUNCTION_WEIGHT_BYTES)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(MIN_FUNCTIONS, min(MAX_FUNCTIONS, FUNCTION_WEIGHT_BYTES // max(1, weights)))
 
 
 class CompiledPass:
@@ -72,10 +84,11 @@ class CompiledPass:
     profile of its plain steps on the CPU, dynamo's entry took 0.36 ms a call against 0.23 ms for
     the plain loop's call."""
 
-    def __init__(self, make: Callable[[], PassFunction]) -> None:
+    def __init__(self, make: Callable[[], PassFunction], limit: int = MIN_FUNCTIONS) -> None:
         self.make = make
+        self.limit = limit  # compiled functions at most (`function_limit`)
         self.functions: dict[tuple[int, ...], PassFunction] = {}
-        self.full = False  # MAX_FUNCTIONS met: new keys run eagerly
+        self.full = False  # `limit` met: new keys run eagerly
         self.expected: set[PassShape] = set()
         self.met: set[tuple[int, int]] = set()  # (physical rows, capacity) of the caches warmed
 
@@ -99,15 +112,15 @@ class CompiledPass:
         )
 
     def _new_function(self, key: tuple[int, ...], model: PreTrainedModel) -> PassFunction:
-        """A compiled function for a key not met yet; past MAX_FUNCTIONS the eager pass (said once)."""
-        if len(self.functions) < MAX_FUNCTIONS:
+        """A compiled function for a key not met yet; past `limit` the eager pass (said once)."""
+        if len(self.functions) < self.limit:
             function = self.functions[key] = self.make()
             return function
         if not self.full:
             logger.warning(
                 "%d compiled passes of %s met: passes of other shapes run eagerly (start a new decoder, "
                 "or keep the lengths and batch sizes of the requests in fewer buckets)",
-                MAX_FUNCTIONS,
+                self.limit,
                 type(model).__name__,
             )
             self.full = True

@@ -149,12 +149,16 @@ class RoutedScheduler:
 
     def gate(self, rows: int) -> SpeculationGate | None:
         """The speculation gate of groups of `rows` rows (one per power-of-two bucket); None when
-        not `gated`: the router decides every step."""
+        not `gated`: the router decides every step. A bucket's first gate starts where the nearest
+        bucket's stands (the larger at a tie): a batch whose rows finish one by one meets every
+        smaller bucket, and a gate started afresh would run its first window in the router."""
         if not self.gated:
             return None
         key = bucket(rows)
         if key not in self.gates:
-            self.gates[key] = SpeculationGate(key)
+            order = key.bit_length()
+            nearest = sorted(self.gates, key=lambda other: (abs(other.bit_length() - order), -other))
+            self.gates[key] = SpeculationGate(key, self.gates[nearest[0]] if nearest else None)
         return self.gates[key]
 
     def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:

@@ -11,16 +11,21 @@ runs the routed scheduler ("on") or plain decoding with nothing decided or draft
 windows of `WINDOW` steps (fewer in batches, whose steps carry more tokens), keeps each regime's
 sums of tokens and wall seconds over its windows, all decayed by MOMENTUM per window of either (a
 regime's rate stays what it last measured, and a trial after a long wait is judged by what it
-measures now), and runs the regime with the higher measured rate. The other regime is tried again
-for one window after `wait` windows; `wait` doubles each time that trial loses (FIRST_WAIT,
-2 FIRST_WAIT, ... MAX_WAIT windows) and halves when it wins: where speculation never pays, the
-trials cost a few percent and then less, and a trial that wins on one window's lucky text (the
-router's rate follows the text, plain decoding's hardly) does not bring back frequent trials.
+measures now), and runs the regime with the higher measured rate. Exploring is paid for in
+time, not in windows: a window run in the losing regime (a trial, or the window that shows the
+evidence turned) lost what the better regime would have saved on its tokens, and the other regime
+is tried again only after the better one has run for that loss / EXPLORE_SHARE seconds (at least
+MIN_WAIT windows, at most MAX_WAIT), so exploring costs at most about EXPLORE_SHARE of the time
+whatever a trial costs. Trials after a count of windows (2, 4, ... 32, doubling while they lost)
+had left `learned+compiled` at 0.89x our plain loop on the quick suite's greedy batch-1 table
+(quick-r8): a trial of the router after a stretch of plain steps first catches an SSM up on the
+stretch, eagerly, and its steps averaged 2.9-4.8 ms against an off step's 0.6 ms.
 A regime's rate stays what it last measured until it runs again, so one step timed while the
 decoder set itself up (a compile, a cache's warm-up at a capacity it had not met, a growth: about
-0.2 s against 2 ms steps at batch 8) would hold the gate in the other regime for up to MAX_WAIT
-windows: such steps (`setup_count`) are not measured.
-One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8.
+0.2 s against 2 ms steps at batch 8) would hold the gate in the wrong regime and charge its
+window as a loss: such steps (`setup_count`) are not measured.
+One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
+gate starts where the nearest one stands (`RoutedScheduler.gate`).
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from dataclasses import dataclass
 WINDOW = 16  # steps per measured window at batch 1; WINDOW // rows at larger batches (at least MIN_WINDOW)
 MIN_WINDOW = 4
 MOMENTUM = 0.5  # per window (of either regime), of the older windows' evidence
-FIRST_WAIT = 2  # windows of the better regime before the other is tried again
-MAX_WAIT = 32  # the longest wait, in windows
+EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
+MIN_WAIT = 2  # windows of the better regime before the other is tried again, however cheap its trials
+MAX_WAIT = 512  # windows of the better regime after which the other is tried whatever its last trial cost
 
 
 @dataclass
@@ -60,18 +66,21 @@ class SpeculationGate:
     """Whether the routed scheduler decides the next step (`on`) or the step is plain; `step`
     records each step's tokens and seconds. Starts on, then measures off in its second window."""
 
-    def __init__(self, rows: int = 1) -> None:
+    def __init__(self, rows: int = 1, like: SpeculationGate | None = None) -> None:
         self.window = max(MIN_WINDOW, WINDOW // rows)  # steps per window: a batch's steps weigh more
-        self.on = True
+        self.on = True if like is None else like.on  # another batch size's gate: start in its regime
         self.measured = {True: Throughput(), False: Throughput()}
-        self.wait = FIRST_WAIT  # windows of the better regime before the other's next trial
+        self.owed = 0.0 if like is None else like.owed  # seconds of the better regime before a trial
         self.since = 0  # windows of the current regime since it was chosen
         self.trial = False  # the current window tries the regime that lost last
         self.steps = {True: 0, False: 0}  # steps taken in each regime
+        self.lost = 0.0  # seconds the windows run in the losing regime cost, summed
         self._window = [0, 0.0, 0]  # tokens, seconds, steps of the window in progress
 
-    def step(self, tokens: int, seconds: float) -> None:
-        """One step of the current regime emitted `tokens` (all rows) in `seconds` of wall time."""
+    def step(self, tokens: float, seconds: float) -> None:
+        """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
+        row: as a batch's rows finish, a compiled pass keeps its padded rows and its time, and the
+        tokens of the rows still running would otherwise make the regime running look slower)."""
         self.steps[self.on] += 1
         window = self._window
         window[0] += tokens
@@ -83,26 +92,30 @@ class SpeculationGate:
             throughput.decay()
         self.measured[self.on].add(window[0], window[1])
         self._window = [0, 0.0, 0]
-        self._choose()
+        self._choose(window[0], window[1])
 
-    def _choose(self) -> None:
-        """After a window: keep the better regime, try the other after `wait` windows."""
+    def _choose(self, tokens: int, seconds: float) -> None:
+        """After a window of `tokens` in `seconds`: run the better regime; a window that ran the
+        other one costs what the better would have saved on its tokens, and that cost, over
+        EXPLORE_SHARE, is owed in seconds of the better regime before the other's next trial."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
-        if rates[other] is None:  # never measured: measure it now
-            self.on, self.trial, self.since = other, True, 0
-            return
-        best = self.on if rates[self.on] >= rates[other] else other
-        if self.trial:  # the window tried the regime that had lost: keep it if it won now
-            self.wait = max(FIRST_WAIT, self.wait // 2) if best == self.on else min(2 * self.wait, MAX_WAIT)
-            self.trial, self.on, self.since = False, best, 0
-            return
-        if best != self.on:  # measured evidence turned: follow it
-            self.on, self.since = best, 0
-            return
+        if rates[other] is not None:
+            best = self.on if rates[self.on] >= rates[other] else other
+            if best != self.on:  # a trial lost, or measured evidence turned: follow it, owe its cost
+                loss = max(0.0, seconds - tokens / rates[best])
+                self.lost += loss
+                self.owed += loss / EXPLORE_SHARE
+                self.on, self.trial, self.since = best, False, 0
+                return
+            if self.trial:  # the trial won: its regime takes over
+                self.trial, self.since = False, 0
+                return
+        self.owed = max(0.0, self.owed - seconds)
         self.since += 1
-        if self.since >= self.wait:
-            self.on, self.trial, self.since = other, True, 0
+        waited = self.since >= MIN_WAIT or rates[other] is None  # never measured: once nothing is owed
+        if (self.owed == 0.0 and waited) or self.since >= MAX_WAIT:
+            self.on, self.trial, self.since, self.owed = other, True, 0, 0.0
 
     def report(self) -> dict:
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
@@ -111,4 +124,5 @@ class SpeculationGate:
             "steps_off": self.steps[False],
             "tokens_per_second_on": rates[True],
             "tokens_per_second_off": rates[False],
+            "seconds_lost": self.lost,
         }

@@ -345,10 +345,9 @@ def test_a_compiled_call_past_its_function_limit_runs_new_keys_eagerly(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each compiled function holds graphs (on the CPU, each its own frozen copy of the weights): past
-    MAX_FUNCTIONS keys a call runs new ones eagerly, and says so once."""
-    monkeypatch.setattr(kv_cache, "MAX_FUNCTIONS", 1)
+    its limit a call runs new keys eagerly, and says so once."""
     made: list[int] = []
-    call = CompiledPass(lambda: made.append(1) or tree_pass)
+    call = CompiledPass(lambda: made.append(1) or tree_pass, limit=1)
     cache = TreeCache(llm_for("llama"), 1, CAPACITY_STEP, call)
     cache.feed_chains([[3, 4, 5]], eager=True)
     with caplog.at_level(logging.WARNING, logger=kv_cache.__name__):
@@ -356,6 +355,18 @@ def test_a_compiled_call_past_its_function_limit_runs_new_keys_eagerly(
             cache.feed_chains([chain])
     assert len(made) == len(call.functions) == 1 and call.full
     assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_small_model_keeps_more_compiled_functions() -> None:
+    """A call keeps FUNCTION_WEIGHT_BYTES of frozen weights, between MIN_FUNCTIONS and MAX_FUNCTIONS
+    functions: the quick fixture's learned LLM call met 132 keys at batch 8 (11 expected shapes at
+    each of 4 row buckets and 3 capacities), and past a flat 64 its qa table ran eagerly."""
+    tiny = torch.nn.Linear(10, 10)  # 440 bytes of weights
+    assert kv_cache.function_limit(tiny) == kv_cache.MAX_FUNCTIONS
+    fixture_llm = torch.nn.Embedding(600_000, 4)  # 9.6 MB, as the quick fixture's LLM
+    assert kv_cache.function_limit(fixture_llm) == kv_cache.FUNCTION_WEIGHT_BYTES // 9_600_000 > 132
+    large = torch.nn.Linear(1 << 15, 1 << 14, bias=False, device="meta")  # 2 GiB of float32, not allocated
+    assert kv_cache.function_limit(large) == kv_cache.MIN_FUNCTIONS
 
 
 def test_warm_ups_and_growths_count_as_setting_up() -> None:

@@ -4,65 +4,133 @@ throughput, its trials of the losing regime, and decoding through it (still the 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import pytest
 import torch
 from conftest import VOCAB, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_routed_scheduler import routed_decoder
 from test_scheduler import constant_predictor
 
 from specboost.decoder import SpeculativeDecoder, StrategyOptions, routed_drafting, strategies
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
-from specboost.speculator.speculation_gate import FIRST_WAIT, MAX_WAIT, WINDOW, SpeculationGate
+from specboost.speculator.speculation_gate import (
+    EXPLORE_SHARE,
+    MAX_WAIT,
+    MIN_WAIT,
+    MIN_WINDOW,
+    WINDOW,
+    SpeculationGate,
+)
 
 
 def run(gate: SpeculationGate, windows: int, rate: dict[bool, float]) -> list[bool]:
-    """`windows` windows of steps emitting one token each at `rate[regime]` tokens per second;
-    returns the regime of every window."""
+    """`windows` of the gate's windows of steps emitting one token each at `rate[regime]` tokens
+    per second; returns the regime of every window."""
     regimes = []
     for _ in range(windows):
         regimes.append(gate.on)
-        for _ in range(WINDOW):
+        for _ in range(gate.window):
             gate.step(1, 1 / rate[gate.on])
     return regimes
 
 
+def regret(regimes: list[bool], rate: dict[bool, float]) -> float:
+    """Seconds the windows of the slower regime cost against the faster one's rate."""
+    slower = min(rate, key=rate.get)
+    return regimes.count(slower) * WINDOW * (1 / rate[slower] - 1 / rate[not slower])
+
+
 def test_the_gate_turns_speculation_off_where_plain_decoding_is_faster() -> None:
-    """On first, then off measured; off wins and stays, the router tried again after 2, 4, 8, ...
-    windows (at most MAX_WAIT apart), so the trials cost less and less."""
+    """On first, then off measured; off wins and stays, the router tried again only once plain
+    decoding has run for the lost time over EXPLORE_SHARE: the trials cost EXPLORE_SHARE of the
+    time, evenly spaced."""
     gate = SpeculationGate()
-    regimes = run(gate, 200, {True: 700.0, False: 1000.0})
+    rate = {True: 700.0, False: 1000.0}
+    regimes = run(gate, 400, rate)
     assert regimes[:2] == [True, False]
-    trials = [w for w, on in enumerate(regimes) if on][1:]
-    gaps = [b - a - 1 for a, b in itertools.pairwise(trials)]
-    assert gaps[0] == 2 * FIRST_WAIT and gaps == sorted(gaps) and max(gaps) == MAX_WAIT
-    assert sum(regimes) == 9  # the first window and 8 trials in 200 windows
-    assert gate.report()["steps_off"] == WINDOW * (200 - sum(regimes))
+    trials = [w for w, on in enumerate(regimes) if on]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(trials)]  # the first: off's first window, then MIN_WAIT
+    lost = WINDOW * (1 / rate[True] - 1 / rate[False])  # one trial window's cost
+    off_window = WINDOW / rate[False]
+    assert gaps[0] == 1 + MIN_WAIT and set(gaps[1:]) == {math.ceil(lost / EXPLORE_SHARE / off_window)}
+    assert gate.report()["steps_off"] == WINDOW * (400 - sum(regimes))
+    assert gate.report()["seconds_lost"] == pytest.approx(regret(regimes[2:], rate))
+    seconds = sum(WINDOW / rate[on] for on in regimes)
+    assert regret(regimes, rate) <= EXPLORE_SHARE * seconds + 3 * lost
 
 
 def test_the_gate_keeps_speculation_where_it_pays_and_follows_a_change() -> None:
-    """Speculation faster: on, with off tried after FIRST_WAIT, then growing waits. When the text
-    turns and drafting stops paying, the next window's evidence turns the gate off."""
+    """Speculation faster: on, with off tried as its losses allow. When the text turns and drafting
+    stops paying, the next window's evidence turns the gate off, and the window it lost keeps the
+    router from being tried again at once."""
     gate = SpeculationGate()
     regimes = run(gate, 40, {True: 1500.0, False: 1000.0})
-    assert regimes[:3] == [True, False, True] and sum(regimes) >= 34
+    assert regimes[:3] == [True, False, True] and sum(regimes) >= 37
     regimes = run(gate, 20, {True: 400.0, False: 1000.0})
     first_off = regimes.index(False)
-    assert first_off <= 2 and sum(regimes[first_off:]) <= 1
+    assert first_off <= 2 and sum(regimes[first_off:]) == 0
 
 
 def test_a_trial_that_wins_takes_over() -> None:
-    """Off after two lost trials; the drafts start to pay: the next trial of the router wins on what
-    it measures then (older windows weigh little), and from then on plain decoding is the trial."""
+    """Off after a lost trial; the drafts start to pay: the next trial of the router, once its loss
+    is paid for, wins on what it measures then (older windows weigh little), and from then on plain
+    decoding is the trial."""
     gate = SpeculationGate()
-    run(gate, 10, {True: 500.0, False: 1000.0})  # off, with a trial of on after 2 windows and 4
-    assert not gate.on and gate.wait == 4 * FIRST_WAIT
-    regimes = run(gate, 30, {True: 2000.0, False: 1000.0})
-    assert regimes.index(True) == 4 * FIRST_WAIT  # the next trial
-    assert gate.on and regimes[-20:].count(False) <= 3  # only plain decoding's trials
-    assert gate.wait >= 2 * FIRST_WAIT  # halved by the win (8 -> 4), then doubled by each lost trial
+    run(gate, 5, {True: 500.0, False: 1000.0})  # on, off, off, off, on (lost)
+    owed = gate.owed
+    assert not gate.on and owed == pytest.approx(WINDOW * (1 / 500 - 1 / 1000) / EXPLORE_SHARE, rel=1e-6)
+    regimes = run(gate, 80, {True: 2000.0, False: 1000.0})
+    assert abs(regimes.index(True) - owed / (WINDOW / 1000)) <= 1  # the next trial, once owed is paid
+    after = regimes[regimes.index(True) :]
+    assert gate.on and after.count(False) == 1  # the trial of plain decoding after MIN_WAIT windows
+    assert after.index(False) == 1 + MIN_WAIT
+
+
+def test_a_costly_trial_waits_at_most_max_wait_windows() -> None:
+    """A trial that lost a long time (a stall in its window) does not silence the other regime for
+    good: it is tried again after MAX_WAIT windows."""
+    gate = SpeculationGate()
+    run(gate, 4, {True: 1000.0, False: 1000.0})
+    for _ in range(WINDOW):
+        gate.step(1, 0.5)  # a trial window of the router that stalled
+    assert not gate.on and gate.owed > MAX_WAIT * WINDOW / 1000  # seconds of MAX_WAIT off windows
+    regimes = run(gate, MAX_WAIT + 1, {True: 1000.0, False: 1000.0})
+    assert regimes.index(True) == MAX_WAIT
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.floats(100.0, 5000.0), st.floats(100.0, 5000.0), st.integers(1, 400))
+def test_exploring_costs_at_most_its_share_of_the_time(on_rate: float, off_rate: float, windows: int) -> None:
+    """Whatever the regimes' rates: the windows run in the slower regime cost at most EXPLORE_SHARE
+    of the time (or, where one trial costs more than MAX_WAIT windows of the faster regime can repay
+    at that share, one trial per MAX_WAIT windows), plus the first window and the last trial's; the
+    gate's own account of them is the same."""
+    gate = SpeculationGate()
+    rate = {True: on_rate, False: off_rate}
+    regimes = run(gate, windows, rate)
+    seconds = sum(WINDOW / rate[on] for on in regimes)
+    lost = regret(regimes, rate)
+    share = max(EXPLORE_SHARE, (max(rate.values()) / min(rate.values()) - 1) / MAX_WAIT)
+    assert lost <= share * seconds + 2 * WINDOW * abs(1 / on_rate - 1 / off_rate) + 1e-9
+    first = regret(regimes[:1], rate)  # measured before the other regime had a rate to lose against
+    assert gate.report()["seconds_lost"] == pytest.approx(lost - first, abs=1e-9)
+
+
+def test_a_change_in_the_regime_not_run_is_found_once_the_last_loss_is_paid() -> None:
+    """Off after the router lost; then drafting starts to pay, unseen while off: the router is tried,
+    and takes over, once plain decoding has run for the lost time over EXPLORE_SHARE."""
+    gate = SpeculationGate()
+    run(gate, 5, {True: 800.0, False: 1000.0})  # on, off, off, off, on (lost)
+    lost = gate.report()["seconds_lost"]
+    regimes = run(gate, 100, {True: 3000.0, False: 1000.0})
+    waited = regimes.index(True) * WINDOW / 1000  # seconds of plain decoding before the trial
+    assert lost / EXPLORE_SHARE <= waited <= lost / EXPLORE_SHARE + WINDOW / 1000
+    assert all(regimes[regimes.index(True) : regimes.index(True) + 1 + MIN_WAIT])
 
 
 def drafting_in_vain() -> tuple[torch.nn.Module, SpeculativeDecoder]:
@@ -118,8 +186,50 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
             after_off = not on
         assert any(on and not known[0] for on, known, _ in steps)  # the gate did turn on again
         steps.clear()
-    gates = decoder.speculator.gates
-    assert all(gate.steps[False] > 0 for gate in gates.values()) and len(gates) == 2
+        (gate,) = decoder.speculator.gates.values()
+        assert gate.steps[False] > 0
+        decoder.speculator.forget()  # else the batch's gate starts off, owing the first one's trial
+
+
+def test_a_new_batch_size_starts_where_the_nearest_gate_stands() -> None:
+    """A batch whose rows finish meets smaller buckets: their gates start in the nearest bucket's
+    regime, owing what it owes (the larger bucket at a tie), and do not run a first window of the
+    router where speculation was found to lose; a gate with no neighbour starts on."""
+    _, decoder = drafting_in_vain()
+    scheduler = decoder.speculator
+    eight = scheduler.gate(8)
+    run(eight, 5, {True: 500.0, False: 1000.0})  # on, off, off, off, on (lost): off, owing
+    assert not eight.on and eight.owed > 0
+    assert scheduler.gate(5) is eight  # one bucket
+    four = scheduler.gate(3)
+    assert not four.on and four.owed == eight.owed and four.window == max(MIN_WINDOW, WINDOW // 4)
+    windows = four.owed / (four.window / 1000)  # off windows that pay what it owes
+    regimes = run(four, math.ceil(windows) + 2, {True: 500.0, False: 1000.0})
+    assert abs(regimes.index(True) - windows) <= 1  # its first trial of the router once it is paid
+    eight.on = True
+    assert scheduler.gate(16).on and not scheduler.gate(2).on  # nearest: 8 and 4 (not 16: farther)
+    scheduler.forget()
+    assert scheduler.gate(4).on and scheduler.gate(4).owed == 0
+
+
+def test_the_gate_counts_tokens_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's step is measured in tokens per row: as its rows finish, a compiled pass keeps its
+    padded rows and its time, so total tokens would make the regime running look slower than the
+    other's rate, measured with more rows. Plain steps count 1 token per row at any batch size."""
+    _, decoder = drafting_in_vain()
+    counted = []
+    step = SpeculationGate.step
+
+    def recorded(gate: SpeculationGate, tokens: float, seconds: float) -> None:
+        counted.append((gate.on, tokens))
+        step(gate, tokens, seconds)
+
+    monkeypatch.setattr(SpeculationGate, "step", recorded)
+    prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    BatchedDecoder(decoder).generate(prompts, max_new_tokens=80)
+    off = [tokens for on, tokens in counted if not on]
+    assert off and set(off) == {1.0}
+    assert all(tokens >= 1.0 for on, tokens in counted if on)
 
 
 def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
