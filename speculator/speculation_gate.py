@@ -94,7 +94,7 @@ class SpeculationGate:
         self._window = [0, 0.0, 0]
         self._choose(window[0], window[1])
 
-    def _choose(self, tokens: int, seconds: float) -> None:
+    def _choose(self, tokens: float, seconds: float) -> None:
         """After a window of `tokens` in `seconds`: run the better regime; a window that ran the
         other one costs what the better would have saved on its tokens, and that cost, over
         EXPLORE_SHARE, is owed in seconds of the better regime before the other's next trial."""
