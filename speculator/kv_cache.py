@@ -55,7 +55,8 @@ PassFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # `tree_
 # Compiled functions per model call. On the CPU each graph holds its own frozen copy of the
 # weights, so a call keeps at most FUNCTION_WEIGHT_BYTES of them (and between MIN_FUNCTIONS and
 # MAX_FUNCTIONS functions) and runs the pass keys it meets after that eagerly, with a warning, as
-# dynamo's recompile limit had. A flat 64 had been too few for a small model: the learned
+# dynamo's recompile limit had. On CUDA (no freezing) the weights' size is only a proxy for what
+# a graph holds (its static buffers), applied alike. A flat 64 had been too few for a small model: the learned
 # scheduler's LLM call expects 11 pass shapes at each (rows, capacity) a batch meets, and at
 # batch 8 on the quick suite (4 row buckets as rows finish, 3 capacities) the qa table's passes ran
 # eagerly, at 0.78x our plain loop with the gate off on 99% of the steps.

@@ -156,9 +156,10 @@ class RoutedScheduler:
             return None
         key = bucket(rows)
         if key not in self.gates:
-            order = key.bit_length()
-            nearest = sorted(self.gates, key=lambda other: (abs(other.bit_length() - order), -other))
-            self.gates[key] = SpeculationGate(key, self.gates[nearest[0]] if nearest else None)
+            nearest = min(
+                self.gates, key=lambda k: (abs(k.bit_length() - key.bit_length()), -k), default=None
+            )
+            self.gates[key] = SpeculationGate(key, None if nearest is None else self.gates[nearest])
         return self.gates[key]
 
     def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
