@@ -64,6 +64,10 @@ class GroupDrafting(Protocol):
         """One tree per row, at most `depths[b]` deep (or one SSM's greedy chains, still on the
         device); `lengths[b]` is row b's chain length (None: the strategy's own shape)."""
 
+    one_chain: bool
+    """Every row's draft is one chain, never deeper than the row's `max_depth`: its nodes fit in
+    the text's own positions, and the group's LLM cache needs no headroom (`CAPACITY_HEADROOM`)."""
+
     def wants_hidden(self) -> bool:
         """Whether the step's verification should return the LLM's hidden states (when the
         speculator reads them at all): the routed scheduler's gate may say the next step needs none."""
@@ -115,6 +119,7 @@ class BatchedChainDrafting:
             )
             for unit in pool.units
         ]
+        self.one_chain = sum(drafter.members for drafter, _ in self.units) == 1
         self.generators: list[list[torch.Generator | None]] = [[] for _ in self.units]  # per unit row
         self._levels = 0  # of the last `propose`: one pass per chain position
 
@@ -189,6 +194,9 @@ class PerSequenceDrafting:
         self.prototype = speculator
         self.shared = shared
         self.chains = drafts_chains(speculator)
+        self.one_chain = speculator.num_ssms == 0 or (
+            self.chains and speculator.num_ssms == 1 and speculator.shape.samples == 1
+        )
         self._spare: list[Speculator] = []  # copies of rows that left, for reuse
         self.speculators: list[Speculator] = []  # per row
 

@@ -32,11 +32,12 @@ from specboost.speculator.kv_cache import TreeCache, capacity_for
 from specboost.speculator.tree import ChainDraft, TokenTree
 
 # Positions a group's cache holds beyond its rows' final length (their text plus the tokens still
-# wanted). A chain needs none: it is never deeper than the tokens still wanted. A tree holds its
-# nodes beside its depth, so a tree of more than this many extra nodes grows the cache once near the
-# end of a text. Every pass attends over the whole capacity: at batch 8 on short texts a headroom
-# of 64 (capacity 256 where 128 held the text) cost our plain step 0.77x `generate`'s compiled
-# static-cache step, 0.91x without it (docs/results.md).
+# wanted), where its drafts may be trees. A chain needs none (`GroupDrafting.one_chain`): it is
+# never deeper than the tokens still wanted. A tree holds its nodes beside its depth, so a tree of
+# more than this many extra nodes grows the cache once near the end of a text. Every pass attends
+# over the whole capacity: at batch 8 on short texts a headroom of 64 (capacity 256 where 128 held
+# the text) cost our plain step 0.77x `generate`'s compiled static-cache step, 0.91x without it;
+# and 16 (224 where 189 held the text) cost the plain loop 0.89x, 0.96x without it (docs/results.md).
 CAPACITY_HEADROOM = 16
 # The group cache's capacity is rounded up to a multiple of this, finer than the drafters' caches'
 # (`CAPACITY_STEP`): it is set once from the rows' final lengths, and every pass of the LLM attends
@@ -199,10 +200,11 @@ class SequenceGroup:
         new = self.rows[len(self.rows) - self._unread :]
         prefixes = [row.tokens[:-1] for row in new]
         longest = max(row.final_length for row in self.rows)
+        headroom = 0 if self.drafting.one_chain else CAPACITY_HEADROOM
         fresh = TreeCache(
             self.llm,
             len(prefixes),
-            capacity_for(longest + CAPACITY_HEADROOM, TARGET_CAPACITY_STEP),
+            capacity_for(longest + headroom, TARGET_CAPACITY_STEP),
             self.target.compiled,
         )
         if any(prefixes):  # prompts: shapes a compiled graph has not seen

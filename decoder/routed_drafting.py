@@ -31,6 +31,8 @@ class RoutedDrafting:
     """`GroupDrafting` of the routed scheduler: per row an `ActionRecord`, per group the drafters;
     the speculation gate of the group's size says whether the router decides a step (5.4)."""
 
+    one_chain = True  # a row drafts one SSM's chain or nothing
+
     def __init__(self, scheduler: RoutedScheduler, calls: ModelCalls) -> None:
         self.scheduler = scheduler
         self.router = scheduler.router

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from specboost.speculator.attention_layout import AttentionLayout
-from specboost.speculator.model_info import CACHE_ARGUMENT, context_length
+from specboost.speculator.model_info import CACHE_ARGUMENT, context_length, keeps_logits
 from specboost.speculator.tree_attention import tree_attention_mask
 
 logger = logging.getLogger(__name__)
@@ -177,10 +177,13 @@ def tree_pass(
     layout: AttentionLayout,
     dtype: torch.dtype,  # the model's: the additive mask's
     output_hidden: bool,
+    logits_at: torch.Tensor | None = None,  # [K] long: the only nodes whose outputs are wanted
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass of `model` over a `TreeCache`'s StaticCache: the mask is built here (so a
     compiled pass builds it inside its graph), the new K/V land at `counts[-2]` onward. Returns the
-    logits [B, N, V] and, when asked, the last hidden states [B, N, H]."""
+    logits [B, N, V] and, when asked, the last hidden states [B, N, H]; with `logits_at`, at those
+    nodes only ([B, K, ...]): the model projects only them onto the vocabulary (`logits_to_keep`),
+    which a prompt's pass, whose logits are all dropped but the last, spends most on otherwise."""
     rows = tokens.shape[0]
     lengths, start, width = counts[:rows], counts[rows], counts[rows + 1]
     for layer in cache.layers:
@@ -196,8 +199,13 @@ def tree_pass(
         use_cache=True,
         **{CACHE_ARGUMENT: cache},
         output_hidden_states=output_hidden,
+        **({} if logits_at is None or not keeps_logits(model) else {"logits_to_keep": logits_at}),
     )
-    return out.logits, out.hidden_states[-1] if output_hidden else None
+    hidden = out.hidden_states[-1] if output_hidden else None
+    if logits_at is None:
+        return out.logits, hidden
+    logits = out.logits if out.logits.shape[1] == len(logits_at) else out.logits[:, logits_at]
+    return logits, None if hidden is None else hidden[:, logits_at]
 
 
 class FullStaticCache(StaticCache):
@@ -268,10 +276,12 @@ class TreeCache:
         visible: torch.Tensor,  # [B, N, pending + N] bool: the pending and new nodes each new node sees
         output_hidden: bool = False,
         eager: bool = False,
+        logits_at: Sequence[int] | None = None,
     ) -> FedOutput:
         """Feed N nodes per row in ONE pass; they become pending. Every node sees its row's
         committed positions and the nodes marked in `visible` (itself included, ALGORITHMS.md 1).
-        Rows and nodes are padded to their buckets; the outputs keep the padding."""
+        Rows and nodes are padded to their buckets; the outputs keep the padding. `logits_at`: the
+        outputs at those nodes only, [B, len(logits_at), ...] (an eager pass computes no others)."""
         b, n = tokens.shape
         if b != self.rows:
             raise ValueError(f"{b} rows of nodes for a cache of {self.rows} rows")
@@ -295,21 +305,17 @@ class TreeCache:
             else torch.cat([self._pending_positions, positions], 1)
         )  # [rows, pending + nodes]
         counts = self._counts(rows, start)
-        run = self.compiled if compiled else tree_pass
-        logits, hidden = run(
-            self.model,
-            self.cache,
-            tokens,
-            positions,
-            visible,
-            _pad_keys(fed, keys),
-            counts,
-            self.layout,
-            self.dtype,
-            output_hidden,
-        )
+        inputs = (tokens, positions, visible, _pad_keys(fed, keys), counts, self.layout, self.dtype)
+        kept = None if logits_at is None else torch.tensor(logits_at, device=self.device)
+        if compiled:
+            logits, hidden = self.compiled(self.model, self.cache, *inputs, output_hidden)
+            if kept is not None:
+                logits, hidden = logits[:, kept], None if hidden is None else hidden[:, kept]
+        else:
+            logits, hidden = tree_pass(self.model, self.cache, *inputs, output_hidden, kept)
         self._pending_positions = fed
         self.pending += nodes
+        n = n if kept is None else len(kept)
         return FedOutput(logits[:b, :n], None if hidden is None else hidden[:b, :n])
 
     @torch.no_grad()
@@ -406,11 +412,15 @@ class TreeCache:
         eye = torch.eye(n, dtype=torch.bool, device=self.device)
         visible = torch.where(valid[:, :, None], causal & valid[:, None, :], eye)  # padding: itself only
         positions = torch.tensor(self.lengths, device=self.device)[:, None] + step
-        out = self.feed(tokens, positions, visible, output_hidden, eager=eager or n > COMPILED_MAX_CHAIN)
+        last = [max(1, len(chain)) - 1 for chain in chains]
+        kept = sorted(set(last))
+        eager = eager or n > COMPILED_MAX_CHAIN
+        out = self.feed(tokens, positions, visible, output_hidden, eager, logits_at=kept)
         if commit:
             self.commit([range(len(chain)) for chain in chains])
-        rows, last = torch.arange(self.rows, device=self.device), (sizes - 1).clamp(min=0)
-        return FedOutput(out.logits[rows, last], None if out.hidden is None else out.hidden[rows, last])
+        rows = torch.arange(self.rows, device=self.device)
+        columns = torch.tensor([kept.index(i) for i in last], device=self.device)
+        return FedOutput(out.logits[rows, columns], None if out.hidden is None else out.hidden[rows, columns])
 
     def feed_column(self, tokens: torch.Tensor, active: Sequence[bool]) -> torch.Tensor:
         """Append one token per active row (`tokens` [B], on the device: nothing is read back) and
@@ -488,7 +498,9 @@ class TreeCache:
         """This cache becomes the rows `parts` name, copied out of their caches in that order."""
         self.compiled = self.compiled or next((p.compiled for p, _ in parts if p.compiled is not None), None)
         lengths = [part.lengths[r] for part, rows in parts for r in rows]
-        capacity = max(self.capacity, *(part.capacity for part, _ in parts))
+        # The capacity of the caches that give rows: an empty cache's (a group's before its first
+        # rows came) would otherwise set every later pass's attention span.
+        capacity = max((part.capacity for part, rows in parts if rows), default=self.capacity)
         physical = self._physical(len(lengths))
         cache = FullStaticCache(self.num_layers, capacity)
         template = next(

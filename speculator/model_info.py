@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
 import transformers
@@ -12,6 +14,17 @@ from transformers import PreTrainedModel
 # `cache` (the old name still works there but warns on every call, FutureWarning); earlier 5.x
 # releases, which this package also allows, know only the old one.
 CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def keeps_logits(model: PreTrainedModel) -> bool:
+    """Whether `model`'s forward computes logits only at the positions it is given
+    (`logits_to_keep`, a tensor of positions: every causal LM of transformers 5)."""
+    return _forward_takes_logits_to_keep(type(model))
 
 
 def output_vocab_size(model: PreTrainedModel) -> int:

@@ -21,8 +21,10 @@ from test_sampling_lossless import assert_lossless, exact_joint, models  # noqa:
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder, SpeculativeOutput, TopologyShape
 from specboost.decoder.batched import BatchedDecoder, BatchedOutput, pad_token_id
-from specboost.decoder.loop import BatchConfig
+from specboost.decoder.loop import CAPACITY_HEADROOM, TARGET_CAPACITY_STEP, BatchConfig, decode
+from specboost.decoder.sequence import new_sequence
 from specboost.speculator.beam_search import left_pad
+from specboost.speculator.kv_cache import capacity_for
 from specboost.speculator.majority import MajoritySpeculator
 from specboost.speculator.sampling import SamplingConfig
 from specboost.speculator.sequoia import SequoiaSpeculator
@@ -148,6 +150,24 @@ def test_rows_stop_at_the_context_limit(arch: str) -> None:
         assert new_tokens(out, ids.shape[1], b) == expected
         assert out.stats.sequences[b].new_tokens == wanted
     assert out.finish_reasons == ["length", "length"]
+
+
+@pytest.mark.parametrize(("ssms", "headroom"), [(0, 0), (1, 0), (2, CAPACITY_HEADROOM)])
+def test_a_groups_cache_holds_headroom_only_for_trees(ssms: int, headroom: int) -> None:
+    """Every pass attends over the group cache's whole capacity: plain steps and one SSM's chains
+    (never deeper than the tokens still wanted) get the rows' final length, rounded; the merged
+    chains of two SSMs (a tree) get `CAPACITY_HEADROOM` more."""
+    llm = llm_for("llama", 0)
+    decoder = (
+        SpeculativeDecoder(llm, _noisy(0.1, 0.3)("llama", 0)[:ssms], shape=ChainShape(3))
+        if ssms
+        else SpeculativeDecoder(llm, [], strategy="plain")
+    )
+    options = {"max_new_tokens": 40, "do_sample": False}
+    rows = [new_sequence(decoder, torch.tensor(p), None, None, options, None) for p in prompts(3, (30, 50))]
+    group = decode(decoder, rows)
+    assert [len(row.new_tokens) for row in rows] == [40, 40]
+    assert group.target.capacity == capacity_for(50 + 40 + headroom, TARGET_CAPACITY_STEP)
 
 
 def test_batch_length_follows_bass_algorithm_1() -> None:

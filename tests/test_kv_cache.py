@@ -158,6 +158,51 @@ def test_truncate_select_extend_and_growth_keep_every_row(arch: str) -> None:
         assert_row_holds(cache, row, llm, text)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("keeps", [False, True])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fed_chains_give_each_rows_last_logits_projecting_only_those(
+    arch: str, keeps: bool, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`feed_chains` returns each row's logits after its last token (ragged rows, one fed nothing)
+    as plain forward passes give them. An eager pass projects only the rows' distinct last
+    positions onto the vocabulary (`logits_to_keep`) where the model takes it; a model that does
+    not gets the same logits from its full output. `compiled`: padded rows and nodes (the
+    "compiled" pass is the eager `tree_pass`), which keep every position and gather after."""
+    monkeypatch.setattr(kv_cache, "keeps_logits", lambda model: keeps)
+    llm = llm_for(arch)
+    head_inputs: list[tuple[int, ...]] = []
+    hook = llm.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: head_inputs.append(tuple(args[0].shape))
+    )
+    chains = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13, 14], []]
+    cache = TreeCache(llm, 4, CAPACITY_STEP, CompiledPass(lambda: tree_pass) if compiled else None)
+    try:
+        cache.feed_chains([[0]] * 4, eager=True)  # allocates the K/V: later passes may be compiled
+        out = cache.feed_chains(chains, eager=not compiled, output_hidden=True)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        for row, chain in enumerate(chains[:3]):
+            expected = llm(input_ids=torch.tensor([[0, *chain]]), output_hidden_states=True)
+            torch.testing.assert_close(out.logits[row], expected.logits[0, -1], atol=1e-9, rtol=0)
+            torch.testing.assert_close(out.hidden[row], expected.hidden_states[-1][0, -1], atol=1e-9, rtol=0)
+    rows = 4 if compiled else len(chains)  # 4 rows: their own bucket
+    assert head_inputs[-1][:2] == (rows, 6 if compiled or not keeps else 3)  # last nodes 5, 1, 0
+
+
+def test_an_empty_cache_extended_takes_the_new_rows_capacity() -> None:
+    """A group's cache before its first rows does not set the attention span of its later passes."""
+    llm = llm_for("llama")
+    cache = TreeCache(llm, 0, 2 * CAPACITY_STEP)
+    rows = TreeCache(llm, 2, CAPACITY_STEP // 2)
+    rows.feed_chains([[1, 2, 3], [4]])
+    cache.extend(rows)
+    assert cache.capacity == CAPACITY_STEP // 2
+    assert_row_holds(cache, 0, llm, [1, 2, 3])
+    assert_row_holds(cache, 1, llm, [4])
+
+
 def test_capacity_limit_is_refused_with_the_numbers() -> None:
     llm = llm_for("gpt2")  # 128 positions
     cache = TreeCache(llm, 1, CAPACITY_STEP)
