@@ -63,7 +63,7 @@ DEMO_DISTILLED = $(ARTIFACTS)/distill/$(call distill_name,$(DEMO_PROMPTS))
 # A pool of specialists (ALGORITHMS.md 4.1): the 3 SSMs split the mix among themselves by EM, each
 # SSM's 400 steps spread over 2 rounds, the same 1200 steps as greedy boosting; EM adds only the
 # E-steps' scoring passes (each tiny SSM over the ~160 training samples, once per round).
-DEMO_BOOST_FLAGS ?= --max-steps 400 --boost-mode specialists --em-rounds 2
+DEMO_BOOST_FLAGS ?= --max-steps 400 --boost-mode specialists --em-rounds 4 --em-span 8
 DEMO_BENCH_FLAGS ?= --max-new-tokens 64 --repeats 3 --warmup 1 --threads 1
 # check-deepspeed: DeepSpeed (the optional `deepspeed` extra) lives in its own venv, never in .venv or CI's.
 DS_VENV  := .venv-deepspeed

@@ -242,22 +242,43 @@ class Engine:
         before `streamer` sees anything. `streamer` gets the prompt now, then the request's tokens
         as they are verified, then `end()` once (see the module doc); if the engine then refuses
         the request (`QueueFull`, closed), the stream ends before the error is raised."""
+        return self._enqueue([self._request(prompt_ids, generation_config, seed, streamer, options)])[0]
+
+    def _request(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        generation_config: GenerationConfig | None,
+        seed: int | None,
+        streamer: BaseStreamer | None,
+        options: dict,
+    ) -> SequenceState:
+        """A checked request's row, its `RequestHandle` as its tag (not queued yet)."""
         ids = torch.as_tensor(prompt_ids)
         check_generate_arguments(ids, None, options, seed, output_vocab_size(self.decoder.llm))
         row = new_sequence(
             self.decoder, ids.reshape(-1), None, generation_config, options, seed, streamer=streamer
         )
-        row.tag = handle = RequestHandle(self._cancelled, row.stream)
+        row.tag = RequestHandle(self._cancelled, row.stream)
+        return row
+
+    def _enqueue(self, rows: list[SequenceState]) -> list[RequestHandle]:
+        """Queue `rows` in one hold of the lock, so that a worker admits them together (as many as
+        a group has free rows); from the first one refused on, the rest are resolved with the
+        refusal, which is raised."""
+        queued, refusal = 0, None
         with self._cond:
-            refusal = self._refusal()
-            if refusal is None:
+            for row in rows:
+                if (refusal := self._refusal()) is not None:
+                    break
                 self._queue.append(row)
-                self._handles.add(handle)
-                self._cond.notify_all()
+                self._handles.add(row.tag)
+                queued += 1
+            self._cond.notify_all()
         if refusal is not None:
-            handle._resolve(error=refusal)  # ends the stream, outside the engine's lock
+            for row in rows[queued:]:
+                row.tag._resolve(error=refusal)  # ends the stream, outside the engine's lock
             raise refusal
-        return handle
+        return [row.tag for row in rows]
 
     @property
     def queue_depth(self) -> int:
@@ -278,14 +299,17 @@ class Engine:
         **options: object,
     ) -> list[RequestResult]:
         """Submit every request (a `Request`, or a prompt with `options`), then wait for all;
-        results in request order."""
-        handles = [
-            self.submit(r.prompt_ids, **(options | r.options))
-            if isinstance(r, Request)
-            else self.submit(r, **options)
-            for r in requests
-        ]
-        return [handle.result(timeout) for handle in handles]
+        results in request order. The requests are checked first and queued together, so that
+        they join groups together (a group's rows and cache shapes then do not depend on how
+        fast the workers take the first ones)."""
+        rows = []
+        for r in requests:
+            request = r if isinstance(r, Request) else Request(r)
+            given = options | request.options  # a new dict: the keywords of `submit` leave it
+            seed, streamer = given.pop("seed", None), given.pop("streamer", None)
+            config = given.pop("generation_config", None)
+            rows.append(self._request(request.prompt_ids, config, seed, streamer, given))
+        return [handle.result(timeout) for handle in self._enqueue(rows)]
 
     @property
     def stats(self) -> EngineStats:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from specboost.training.boost_scoring import (
     sample_marked,
     span_marked,
 )
-from specboost.training.specialists import balance, initial_assignment, reassign
+from specboost.training.specialists import Units, balance, initial_assignment, reassign
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 WORDS = [f"w{i}" for i in range(28)]
@@ -504,6 +505,40 @@ def test_specialists_resume_to_the_same_assignment(
                 assert got_member[key] == expected, key
 
 
+def test_span_units_mask_the_other_units_and_score_their_own_positions() -> None:
+    rows = [{"id": 10, "output_ids": [1] * 5}, {"id": 11, "output_ids": [1] * 3}]
+    units = Units.of(rows, 2)
+    assert units.row.tolist() == [0, 0, 0, 1, 1] and units.start.tolist() == [0, 2, 4, 0, 2]
+    chosen = np.array([True, False, True, False, False])
+    picked, masked = units.training(rows, chosen)
+    assert picked == rows[:1] and masked == {10: {2, 3}}  # row 11 holds no chosen unit: not trained
+    # scored positions: row 0's last one cut by the context
+    sums, counts = units.totals([np.array([4, 3, 2, 1]), np.array([1, 0, 2])])
+    assert sums.tolist() == [7, 3, 0, 1, 2] and counts.tolist() == [2, 2, 0, 2, 1]
+    whole = Units.of(rows, 0)
+    assert whole.row.tolist() == [0, 1] and whole.training(rows, np.array([True, True])) == (rows, {})
+    assert whole.totals([np.array([4, 3, 2, 1]), np.array([1, 0, 2])])[0].tolist() == [10, 3]
+
+
+def test_specialists_assign_spans(domain_llm: str, domains: str, tmp_path: Path) -> None:
+    """With --em-span 3 each sample's two spans of its 6 output positions are assigned on their
+    own; every member still ends with the spans of one domain."""
+    out = tmp_path / "pool"
+    record = boost(specialists(domain_llm, domains, em_span=3), out)
+    assert record["em"]["span"] == 3
+    held = set(record["held_out_ids"])
+    domain = np.array([i % 2 for i in range(24) if i not in held for _ in range(2)])
+    for r in range(3):
+        assignment = np.load(out / f"round-{r}" / "assignment.npy")
+        assert assignment.shape == domain.shape
+        agree = float((assignment == domain).mean())
+        assert max(agree, 1 - agree) == 1.0, r
+    for em_round in record["em"]["history"]:
+        members = em_round["members"]
+        assert sum(m["train_units"] for m in members) == len(domain)
+        assert all(m["train_samples"] == m["train_units"] // 2 for m in members)
+
+
 def test_specialists_settings_are_checked(llm: str, distilled: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_ssms >= 2"):
         BoostConfig(llm="x", distilled="y", boost_mode="specialists", num_ssms=1)
@@ -515,6 +550,13 @@ def test_specialists_settings_are_checked(llm: str, distilled: str, tmp_path: Pa
         BoostConfig(llm="x", distilled="y", boost_mode="specialists", min_share=0)
     with pytest.raises(ValueError, match="em_feature must be one of"):
         BoostConfig(llm="x", distilled="y", boost_mode="specialists", em_feature="labels")
+    with pytest.raises(ValueError, match="em_span must be >= 1"):
+        BoostConfig(llm="x", distilled="y", boost_mode="specialists", em_span=-1)
+    with pytest.raises(ValueError, match="em_span apply only"):
+        BoostConfig(llm="x", distilled="y", em_span=8)
+    specialist = BoostConfig(llm="x", distilled="y", boost_mode="specialists")
+    assert "em_span" not in specialist.identity()  # runs from before the option resume
+    assert dataclasses.replace(specialist, em_span=8).identity()["em_span"] == 8
     greedy = BoostConfig(llm="x", distilled="y").identity()
     assert not {"em_rounds", "em_feature", "min_share", "num_ssms", "boost_mode"} & set(
         greedy

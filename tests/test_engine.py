@@ -16,6 +16,7 @@ import torch
 from conftest import tiny_llama
 from test_batched import prompts
 from test_greedy_equivalence import _noisy, llm_for, reference
+from transformers.generation.streamers import BaseStreamer
 
 from specboost.decoder import BeamShape, ChainShape, SpeculativeDecoder
 from specboost.decoder.engine import Engine, EngineConfig, QueueFull, Request, RequestHandle
@@ -80,6 +81,38 @@ def test_engine_output_equals_generate(pipeline: bool, kwargs: dict) -> None:
     assert steps < sum(r.stats.llm_steps for r in results)  # one pass verifies several requests
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(rows[0], max_new_tokens=2)
+
+
+def test_requests_given_to_run_join_a_group_together() -> None:
+    """`run` queues its requests at once, so a group with room for all of them takes all of them
+    at its first round (a group's rows and cache shapes, which a compiled decoder compiles for, do
+    not depend on how fast a worker took the first requests): one pass per step verifies every
+    request; and a request `run` cannot queue fails with the rest after it, the refusal raised."""
+    rows = prompts(3, (4, 9, 2, 6))
+    with Engine(decoder(shape=ChainShape(3)), EngineConfig(batch_size=4, num_groups=1)) as engine:
+        results = engine.run(rows, timeout=TIMEOUT, max_new_tokens=MAX_NEW)
+        assert engine.stats.llm_steps == max(r.stats.llm_steps for r in results)
+    assert [r.new_tokens for r in results] == [expected(row) for row in rows]
+    streams = [Ends(), Ends()]
+    config = EngineConfig(batch_size=1, num_groups=1, max_queue=1)
+    with Engine(decoder(shape=ChainShape(3)), config) as engine:
+        requests = [Request(row, dict(streamer=stream)) for row, stream in zip(rows, streams, strict=False)]
+        with pytest.raises(QueueFull, match="max_queue=1"):
+            engine.run(requests, max_new_tokens=2)
+    assert [stream.ended for stream in streams] == [1, 1]  # the first ran, the second was refused
+
+
+class Ends(BaseStreamer):
+    """A streamer that counts its ends."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+
+    def put(self, value: object) -> None:
+        """Tokens are not looked at."""
+
+    def end(self) -> None:
+        self.ended += 1
 
 
 def test_concurrent_submission_from_threads(count_resolutions: dict[int, int]) -> None:

@@ -109,9 +109,9 @@ def test_a_pool_of_specialists_learns_a_mix_and_a_generalist_the_same_data(tmp_p
         argv = steps[step].argv
         return argv[argv.index(flag) + 1]
 
-    assert steps["boost"].argv[-8:] == (
+    assert steps["boost"].argv[-10:] == (
         *("--num-ssms", "3", "--max-steps", "400"),
-        *("--boost-mode", "specialists", "--em-rounds", "2"),
+        *("--boost-mode", "specialists", "--em-rounds", "4", "--em-span", "8"),
     )
     generalist = steps["generalist"].argv
     assert option("generalist", "--distilled") == option("boost", "--distilled") == str(pool_data)
@@ -280,7 +280,7 @@ RECORDED_ARGV = {
     "boost": [
         *("specboost.training.boost", "--distilled", f"{SMALL}/distill/{POOL_DATA}"),
         *("--llm", LLM, "--out", f"{SMALL}/pool", "--num-ssms", "3", "--max-steps", "400"),
-        *("--boost-mode", "specialists", "--em-rounds", "2"),
+        *("--boost-mode", "specialists", "--em-rounds", "4", "--em-span", "8"),
     ],
     f"distill-{PREDICTOR_DATA}": [
         *("specboost.training.distill", "--llm", LLM, "--prompts"),

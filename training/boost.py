@@ -56,8 +56,11 @@ Boost modes (`--boost-mode`):
   modes) and an E-step (every training sample goes to the member with the best mean greedy
   match length on it, as the held-out greedy acceptance below measures it; a tie keeps it where
   it was; no member keeps fewer than `--min-share` / K of the samples: the samples that lose
-  least by moving fill it up). Marking options do not apply (refused); `--num-ssms` cannot grow
-  on resume. A `source` column of the distilled data is only reported, never used to assign.
+  least by moving fill it up). `--em-span N` (default 0: whole samples) assigns spans of N
+  output positions of a sample instead, each to the member that matches it best; a member trains
+  on the samples that hold one of its spans, with no loss at the other spans' positions. Marking
+  options do not apply (refused); `--num-ssms` cannot grow on resume. A `source` column of the
+  distilled data is only reported, never used to assign.
 Losses and modes that need the stored distributions refuse data without them (exit 2), naming the
 distill command that records them.
 
@@ -81,14 +84,16 @@ coverage.png. A killed run resumes by rerunning the same command: completed roun
 a partly trained round resumes from its last checkpoint. `--num-ssms` may grow.
 
 Specialists mode writes instead: round-<r>/assignment.npy (every training sample's member, in the
-training rows' order: round 0's is the clustering, round r + 1's the E-step after round r, the
-last one the final split), round-<r>/member-<k>/checkpoints/ (Trainer), round-<r>/ssm-<k>/
+training rows' order, or with --em-span every span's, sample by sample: round 0's is the
+clustering, round r + 1's the E-step after round r, the last one the final split),
+round-<r>/member-<k>/checkpoints/ (Trainer), round-<r>/ssm-<k>/
 (member k after round r; the last round's is ssm-<k>/). boost_state.json's "em" holds the finished
 EM rounds and the members finished in the current one, so a resumed run loads the saved
 assignments, skips what is done and ends as an uninterrupted run does. boost_record.json's "em"
-holds the settings and, per EM round ("history"), per member: `share` and `train_samples` (what it
-trained on), `next_share` (after the E-step), `own_mean_match_length` (position-weighted mean
-greedy match on its own training samples), `train_mean_match_length` (on all of them), the
+holds the settings and, per EM round ("history"), per member: `share` (of the samples, or spans),
+`train_units` and `train_samples` (the units it was assigned, the samples it trained on),
+`next_share` (after the E-step), `own_mean_match_length` (position-weighted mean greedy match on
+its own units), `train_mean_match_length` (on all of them), the
 held-out scores below (`held_out_mean_match_length`, `held_out_acceptance`, `single_coverage`,
 `pool_coverage` over members 0..k, sampled ones when p is stored), `steps`, `final_loss`, and
 `source_shares` / `next_source_shares` when the data has a `source` column; per round also
@@ -205,6 +210,7 @@ def write_outputs(
                 "rounds": config.em_rounds,
                 "feature": config.em_feature,
                 "min_share": config.min_share,
+                "span": config.em_span,
                 "history": state.get("em", {}).get("rounds", []),
             }
             if config.boost_mode == "specialists"
@@ -418,6 +424,13 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
         help="specialists: every member keeps at least this fraction of 1/num-ssms of the samples",
     )
     p.add_argument(
+        "--em-span",
+        type=int,
+        default=defaults["em_span"],
+        help="specialists: assign spans of this many output positions of a sample, each to its best "
+        "member (0: whole samples)",
+    )
+    p.add_argument(
         "--loss",
         choices=LOSSES,
         default="ce",
@@ -455,6 +468,7 @@ def parse_args(argv: list[str] | None) -> tuple[BoostConfig, Path, int | None]:
         em_rounds=a.em_rounds,
         em_feature=a.em_feature,
         min_share=a.min_share,
+        em_span=a.em_span,
         loss=a.loss,
         mix_weight=a.mix_weight,
         chain=a.chain,

@@ -12,7 +12,7 @@ MARKINGS = ("sample", "span")
 BOOST_MODES = ("greedy", "sampled", "specialists")
 # what specialist boosting clusters to start its EM from (training/specialists.py, ALGORITHMS.md 4.1)
 EM_FEATURES = ("sif", "prompt-mean")
-EM_FIELDS = ("em_rounds", "em_feature", "min_share")  # settings of specialists mode only
+EM_FIELDS = ("em_rounds", "em_feature", "min_share", "em_span")  # settings of specialists mode only
 SSM_PRESETS = {"tenth": 0.1, "fifth": 0.2, "twentieth": 0.05}  # SSM parameters / LLM parameters
 
 
@@ -32,11 +32,13 @@ class BoostConfig:
     chain: int = 4  # greedy chain length scored on the held-out split
     held_out_fraction: float = 0.1
     seed: int = 0
-    # specialists mode (section 4.1): EM rounds, the clustering feature it starts from, and the
-    # least share of the training samples a member keeps, as a fraction of 1 / num_ssms
+    # specialists mode (section 4.1): EM rounds, the clustering feature it starts from, the least
+    # share of the units a member keeps, as a fraction of 1 / num_ssms, and what a unit is: a
+    # whole sample (0) or a span of em_span output positions of one
     em_rounds: int = 2
     em_feature: str = "sif"
     min_share: float = 0.5
+    em_span: int = 0
     # training (per round)
     epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides epochs
@@ -96,6 +98,10 @@ class BoostConfig:
             raise ValueError(f"em_feature must be one of {', '.join(EM_FEATURES)}, got {self.em_feature!r}")
         if not 0 < self.min_share <= 1:
             raise ValueError(f"min_share must be in (0, 1], got {self.min_share}")
+        if self.em_span < 0:
+            raise ValueError(
+                f"em_span must be >= 1 (output positions per unit) or 0 (whole samples), got {self.em_span}"
+            )
 
     def identity(self) -> dict[str, Any]:
         """Settings a resume must share (more SSMs and a new eval batch size are fine, except in
@@ -110,6 +116,8 @@ class BoostConfig:
             free.add("boost_mode")
         if self.boost_mode != "specialists":
             free.update(EM_FIELDS)
+        if self.em_span == 0:  # as before the option existed
+            free.add("em_span")
         return {k: v for k, v in asdict(self).items() if k not in free}
 
     @property

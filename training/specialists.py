@@ -14,13 +14,17 @@ greedy acceptance:
   acceptance's measure) and goes to the member that scores it best (a tie keeps it where it was),
   then the balance guard: a member below `min_share` / K of the samples takes the samples that
   lose least by moving to it.
+- `em_span` > 0: the same, with spans of `em_span` output positions of a sample in place of whole
+  samples (`Units`): a member trains on the samples holding one of its spans, its loss masked at
+  the positions of the others' spans. A pool is judged step by step (the hindsight union, the
+  router), and a span is closer to a step than a sample is.
 
 Each member's step budget (max_steps, else epochs over ALL the training samples) is split over
 the EM rounds, so the pool trains K x max_steps steps in all, as the other modes do, and one SSM
 trained on everything for that many steps is a fair comparison (compare_pool).
 
-Files (beside boost.py's): round-<r>/assignment.npy, the member of every training sample (int64,
-in the training rows' order) that round r's M-step trains on: round 0's is the clustering,
+Files (beside boost.py's): round-<r>/assignment.npy, the member of every unit (int64, in the
+training rows' order, a sample's spans in turn) that round r's M-step trains on: round 0's is the clustering,
 round r + 1's the E-step of round r, and round-<R>/assignment.npy the final split;
 round-<r>/member-<k>/checkpoints/ (Trainer); round-<r>/ssm-<k>/ member k after round r, the last
 round's at ssm-<k>/ (the pool). A resumed run loads the saved assignments, skips finished members
@@ -141,16 +145,64 @@ def reassign(scores: np.ndarray, current: np.ndarray, min_count: int) -> tuple[n
     return balance(scores, np.where(keep, current, best), min_count)
 
 
-def match_totals(
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """What the EM loop assigns to members: each training sample whole (`span` 0), or each span
+    of `span` output positions of a sample (the last one shorter). A member trains on the samples
+    that hold one of its units, with no loss at the output positions of the others' units."""
+
+    row: np.ndarray  # [U] int64: the sample (index into the rows) each unit belongs to
+    start: np.ndarray  # [U] int64: its first output position
+    span: int
+
+    @classmethod
+    def of(cls, rows: list[dict[str, Any]], span: int) -> Units:
+        if span == 0:
+            return cls(np.arange(len(rows)), np.zeros(len(rows), dtype=np.int64), 0)
+        counts = [max(1, -(-len(r["output_ids"]) // span)) for r in rows]
+        row = np.repeat(np.arange(len(rows)), counts)
+        start = np.concatenate([np.arange(c, dtype=np.int64) * span for c in counts])
+        return cls(row, start, span)
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def positions(self, unit: int, length: int) -> range:
+        """The output positions of `unit`, within its sample's `length` of them."""
+        start = int(self.start[unit])
+        return range(start, length if self.span == 0 else min(length, start + self.span))
+
+    def training(
+        self, rows: list[dict[str, Any]], chosen: np.ndarray
+    ) -> tuple[list[dict[str, Any]], dict[int, set[int]]]:
+        """The samples holding a `chosen` unit ([U] bool), and per sample id the output positions
+        of its units not chosen (labels -100 there: `boost_data.training_examples`)."""
+        picked = np.unique(self.row[chosen])
+        masked: dict[int, set[int]] = {}
+        for unit in np.flatnonzero(~chosen & np.isin(self.row, picked)).tolist():
+            row = rows[self.row[unit]]
+            masked.setdefault(row["id"], set()).update(self.positions(unit, len(row["output_ids"])))
+        return [rows[i] for i in picked.tolist()], masked
+
+    def totals(self, matches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """([U] summed match lengths, [U] scored positions) from every sample's matches (one per
+        scored output position)."""
+        sums, counts = np.zeros(len(self)), np.zeros(len(self))
+        for unit, row in enumerate(self.row.tolist()):
+            span = self.positions(unit, len(matches[row]))
+            part = matches[row][span.start : span.stop]
+            sums[unit], counts[unit] = float(part.sum()), part.shape[0]
+        return sums, counts
+
+
+def sample_matches(
     model: PreTrainedModel, rows: list[dict[str, Any]], pad_id: int, batch_size: int, chain: int, desc: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """([N] summed greedy match lengths, [N] scored positions) of every row: the teacher-forced
-    runs of correct argmaxes capped at `chain` (boost_scoring.match_lengths), over the output
-    positions kept within the model's context. sums / positions is the E-step's score."""
+) -> list[np.ndarray]:
+    """Per row, its greedy match length at every output position kept within the model's context:
+    the teacher-forced run of correct argmaxes capped at `chain` (boost_scoring.match_lengths).
+    A unit's mean of them is the E-step's score."""
     hits = output_hits(model, rows, pad_id, batch_size, desc)
-    found = [hits[r["id"]] for r in rows]
-    sums = np.array([float(match_lengths(h, chain).sum()) for h in found])
-    return sums, np.array([h.shape[0] for h in found], dtype=np.float64)
+    return [match_lengths(hits[r["id"]], chain).numpy() for r in rows]
 
 
 # ---------------------------------------------------------------- files and budgets
@@ -185,14 +237,14 @@ def round_steps(config: BoostConfig, train_samples: int) -> list[int]:
     return [total * (r + 1) // rounds - total * r // rounds for r in range(rounds)]
 
 
-def min_count(config: BoostConfig, train_samples: int) -> int:
-    """The fewest samples a member may keep: min_share / K of them, at least one."""
-    if train_samples < config.num_ssms:
+def min_count(config: BoostConfig, units: int) -> int:
+    """The fewest units a member may keep: min_share / K of them, at least one."""
+    if units < config.num_ssms:
         raise ValueError(
-            f"{train_samples} training samples cannot be split among {config.num_ssms} specialists: "
-            "distill more prompts or use fewer SSMs"
+            f"{units} training units (samples, or spans of --em-span positions) cannot be split among "
+            f"{config.num_ssms} specialists: distill more prompts or use fewer SSMs"
         )
-    return max(1, int(config.min_share * train_samples / config.num_ssms))
+    return max(1, int(config.min_share * units / config.num_ssms))
 
 
 def member_path(out: Path, round_index: int, member: int, rounds: int) -> Path:
@@ -219,6 +271,9 @@ class SpecialistRun:
     main_process: bool
     persist: Callable[[], None]
 
+    def __post_init__(self) -> None:
+        self.units = Units.of(self.train_rows, self.config.em_span)
+
     def write(self, path: Path, array: np.ndarray) -> None:
         if self.main_process:
             save_array(path, array)
@@ -227,10 +282,13 @@ class SpecialistRun:
         """Round 0's assignment: saved, or clustered now (the LLM's embeddings are read only then)."""
         path = self.out / "round-0" / ASSIGNMENT_FILE
         if path.is_file():
-            return load_assignment(path, len(self.train_rows), self.config.num_ssms)
+            return load_assignment(path, len(self.units), self.config.num_ssms)
         embeddings = input_embeddings(self.config.llm)
         features = sample_features(self.train_rows, embeddings, self.config.em_feature)
-        assignment = initial_assignment(features, self.config.num_ssms, self.config.seed, lowest)
+        # a span starts in its sample's cluster
+        assignment = initial_assignment(
+            features[self.units.row], self.config.num_ssms, self.config.seed, lowest
+        )
         self.write(path, assignment)
         return assignment
 
@@ -245,10 +303,14 @@ class SpecialistRun:
                 config, ssm_base=str(member_path(self.out, round_index - 1, member, rounds))
             )
         model = build_ssm(start, self.ssm_config, index)
-        rows = [r for r, k in zip(self.train_rows, assignment, strict=True) if k == member]
+        rows, masked = self.units.training(self.train_rows, assignment == member)
         targets = self.targets if config.loss != "ce" else None
-        train_set = training_examples(rows, {}, context_of(model), None, targets)
-        print(f"[boost] EM round {round_index}: training ssm-{member} on {len(rows)} samples", flush=True)
+        train_set = training_examples(rows, masked, context_of(model), None, targets)
+        print(
+            f"[boost] EM round {round_index}: training ssm-{member} on {len(rows)} samples "
+            f"({int((assignment == member).sum())} of {len(self.units)} units)",
+            flush=True,
+        )
         done, loss = train_round(
             dataclasses.replace(config, max_steps=steps),
             index,
@@ -266,7 +328,7 @@ class SpecialistRun:
         """Train (or resume) every EM round; state["em"] holds the finished rounds and the
         members finished in the current one, state["rounds"] the pool as of the last round."""
         config, out = self.config, self.out
-        lowest = min_count(config, len(self.train_rows))  # both refuse before anything is written
+        lowest = min_count(config, len(self.units))  # both refuse before anything is written
         budgets = round_steps(config, len(self.train_rows))
         em = state.setdefault("em", {"rounds": [], "members": []})
         self.persist()  # the settings are on disk before any assignment is: a later run checks them
@@ -280,7 +342,7 @@ class SpecialistRun:
                     self.first_assignment(lowest)
                     if r == 0
                     else load_assignment(
-                        out / f"round-{r}" / ASSIGNMENT_FILE, len(self.train_rows), config.num_ssms
+                        out / f"round-{r}" / ASSIGNMENT_FILE, len(self.units), config.num_ssms
                     )
                 )
             for k in range(len(em["members"]), config.num_ssms):
@@ -295,20 +357,27 @@ class SpecialistRun:
         config, em = self.config, state["em"]
         pad, batch, chain = self.tokenizer.pad_token_id, config.eval_batch_size, config.chain
         pool = HeldOutPool(self.held, self.targets)
-        train, held, members = [], [], []  # per member: (match sums, scored positions) per sample
+        held_units = Units.of(self.held, 0)
+        train, held, members = [], [], []  # per member: (match sums, scored positions) per unit
         for k in range(config.num_ssms):
             path = member_path(self.out, r, k, config.em_rounds)
             ssm = load_ssm(path)
-            train.append(match_totals(ssm, self.train_rows, pad, batch, chain, f"ssm-{k} E-step"))
-            held.append(match_totals(ssm, self.held, pad, batch, chain, f"ssm-{k} held-out match"))
+            train.append(
+                self.units.totals(sample_matches(ssm, self.train_rows, pad, batch, chain, f"ssm-{k} E-step"))
+            )
+            held.append(
+                held_units.totals(
+                    sample_matches(ssm, self.held, pad, batch, chain, f"ssm-{k} held-out match")
+                )
+            )
             scores = pool.add(ssm, pad, batch, f"ssm-{k} held-out", chain)
             members.append({"ssm": k, "path": str(path.relative_to(self.out)), **scores, **em["members"][k]})
             members[-1]["parameters"] = sum(p.numel() for p in ssm.parameters())
             del ssm
         # the members share one architecture, so they score the same positions of every sample
-        totals, train_counts = np.stack([t[0] for t in train], axis=1), train[0][1]  # [N, K], [N]
+        totals, train_counts = np.stack([t[0] for t in train], axis=1), train[0][1]  # [U, K], [U]
         held_totals, held_counts = np.stack([h[0] for h in held], axis=1), held[0][1]
-        scores = totals / np.maximum(train_counts, 1)[:, None]  # [N, K] mean match length per sample
+        scores = totals / np.maximum(train_counts, 1)[:, None]  # [U, K] mean match length per unit
         following, moved = reassign(scores, assignment, lowest)
         self.write(self.out / f"round-{r + 1}" / ASSIGNMENT_FILE, following)
         em["rounds"].append(
@@ -320,8 +389,9 @@ class SpecialistRun:
                 ],
                 "reassigned": int((following != assignment).sum()),
                 "balance_moves": moved,
-                # position-weighted means of the best member's match: each sample drafted by the
-                # member that serves it best (an oracle router), comparable to the members' own
+                # position-weighted means of the best member's match: each unit (held out: each
+                # sample) drafted by the member that serves it best (an oracle router), comparable
+                # to the members' own
                 "train_best_member_mean_match_length": float(totals.max(1).sum() / train_counts.sum()),
                 "held_out_best_member_mean_match_length": float(
                     held_totals.max(1).sum() / max(held_counts.sum(), 1)
@@ -330,7 +400,8 @@ class SpecialistRun:
         )
         em["members"] = []
         state["rounds"] = [
-            self.pool_entry(m, int((assignment == k).sum()), em["rounds"]) for k, m in enumerate(members)
+            self.pool_entry(m, len(np.unique(self.units.row[assignment == k])), em["rounds"])
+            for k, m in enumerate(members)
         ]
         round_record = em["rounds"][-1]
         tqdm.write(
@@ -345,12 +416,14 @@ class SpecialistRun:
     def member_record(
         self, member: dict, sums: np.ndarray, counts: np.ndarray, own: np.ndarray, following: np.ndarray
     ) -> dict[str, Any]:
-        """One member's line of an EM round: its shares before and after the E-step, its mean
-        match on its own samples and on all (training and held-out), the sources it holds."""
-        n = len(self.train_rows)
+        """One member's line of an EM round: its shares of the units before and after the E-step,
+        the samples it trained on, its mean match on its own units and on all (training and
+        held-out), the sources its units come from."""
+        n = len(self.units)
         return {
             **member,
-            "train_samples": int(own.sum()),
+            "train_samples": len(np.unique(self.units.row[own])),
+            "train_units": int(own.sum()),
             "share": float(own.sum() / n),
             "next_share": float(following.sum() / n),
             "own_mean_match_length": float(sums[own].sum() / max(counts[own].sum(), 1)),
@@ -360,10 +433,10 @@ class SpecialistRun:
         }
 
     def source_shares(self, chosen: np.ndarray) -> dict[str, float] | None:
-        """The share of each `source` among the chosen training samples (reporting only)."""
+        """The share of each `source` among the chosen units' samples (reporting only)."""
         if not any("source" in r for r in self.train_rows):
             return None
-        counts = Counter(str(r.get("source")) for r, c in zip(self.train_rows, chosen, strict=True) if c)
+        counts = Counter(str(self.train_rows[i].get("source")) for i in self.units.row[chosen].tolist())
         total = max(sum(counts.values()), 1)
         return {source: counts[source] / total for source in sorted(counts)}
 

@@ -221,7 +221,7 @@ def engine_method(
             strategy,
         )
 
-    return Method(name, description, run)
+    return Method(name, description, run, decoder.calls.enabled)
 
 
 def batch_choices(reports: list[dict]) -> dict:
