@@ -12,14 +12,17 @@ wrapper otherwise). Prompts and other long passes run eagerly (`COMPILED_MAX_NOD
 compiled the first time its shape is met: call `SpeculativeDecoder.warmup` to pay that before timing
 anything. A strategy whose shapes vary from step to step (the learned scheduler: a beam (b, d) or
 nothing per SSM and step) registers every shape it can produce (`expect_passes`), and they are all
-compiled the first time a cache of some rows and capacity meets the call (`CompiledPass`).
+compiled the first time a cache of some rows and capacity meets the call (`CompiledPass`). The
+graphs of a model are shared by every decoder of the process that compiles it (`shared_functions`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import shutil
+import weakref
 from types import FunctionType
 from typing import Literal
 
@@ -29,6 +32,7 @@ from transformers import PreTrainedModel
 from specboost.speculator.kv_cache import (
     COMPILED_MAX_CHAIN,
     COMPILED_MAX_NODES,
+    CompiledFunctions,
     CompiledPass,
     PassFunction,
     PassShape,
@@ -41,6 +45,10 @@ from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.speculation import Speculator
 
 CompileSetting = bool | Literal["auto"]
+# Each model's compiled functions with the state of its weights they were made for (`shared_functions`).
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], CompiledFunctions]] = (
+    weakref.WeakKeyDictionary()
+)
 ACCUMULATED_LIMIT = 1024  # graphs of all models of a process together (a benchmark compiles many)
 
 
@@ -80,7 +88,7 @@ class ModelCalls:
             return None
         if id(model) not in self._calls:
             make = functools.partial(compiled_tree_pass, model.device)
-            self._calls[id(model)] = CompiledPass(make, function_limit(model))
+            self._calls[id(model)] = CompiledPass(make, store=shared_functions(model))
         return self._calls[id(model)]
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
@@ -114,6 +122,29 @@ class ModelCalls:
             call = self.get(unit.model)
             call.expected.update(catch_up_passes())
             call.expected.update(level_passes(beams, len(unit.rows)))
+
+
+def shared_functions(model: PreTrainedModel) -> CompiledFunctions:
+    """The compiled passes of `model` made so far in this process, by every decoder that compiled
+    it: a new decoder over the same models compiles only the pass keys none met before (the
+    benchmark suite builds one per method and decoding, and compiled the learned scheduler's LLM
+    passes once per decoder: on quick-r11 its warm-ups took 18 of 52 minutes). On the CPU a graph
+    holds the weights it was compiled with (freezing): the functions are kept per state of the
+    weights, and a model whose weights were replaced or changed in place since (a `load_state_dict`,
+    an optimizer step: each moves a tensor's version counter) gets new ones. Held as long as the model
+    lives (the functions hold no reference to it)."""
+    weights = weights_state(model)
+    held = _SHARED.get(model)
+    if held is None or held[0] != weights:
+        held = _SHARED[model] = (weights, CompiledFunctions(function_limit(model)))
+    return held[1]
+
+
+def weights_state(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Where each parameter and buffer of `model` lives and its version (in-place writes move it;
+    an inference tensor, made under `torch.inference_mode`, has none: its place alone)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
 
 
 def catch_up_passes() -> set[PassShape]:

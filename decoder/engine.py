@@ -341,9 +341,11 @@ class Engine:
 
     # Workers ------------------------------------------------------------------------------------------
     def _guard(self, work: Callable[[], None]) -> None:
-        """Run a worker; an error of the engine itself fails every open request."""
+        """Run a worker, under `torch.inference_mode` as `loop.decode` runs (a thread does not inherit
+        its creator's mode); an error of the engine itself fails every open request."""
         try:
-            work()
+            with torch.inference_mode():
+                work()
         except BaseException as error:
             with self._cond:
                 self._error = error
@@ -474,7 +476,7 @@ class Engine:
             for row in finished
             if row.tag._resolve(
                 RequestResult(
-                    sequences=torch.tensor([row.tokens], dtype=torch.long, device=self.decoder.llm.device),
+                    sequences=_user_tensor([row.tokens], self.decoder.llm.device),
                     finish_reason=row.finish_reason,
                     stats=row.stats,
                     latency=row.finished - row.tag.submitted,
@@ -499,3 +501,10 @@ class Engine:
             self._stats.failed += failed
             self._groups[self._groups.index(group)] = fresh
         return fresh
+
+
+def _user_tensor(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """A tensor for the user, made outside the worker's inference mode: an inference tensor refuses
+    in-place writes outside the mode."""
+    with torch.inference_mode(False):
+        return torch.tensor(rows, dtype=torch.long, device=device)

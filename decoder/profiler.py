@@ -123,14 +123,16 @@ def bushy_tree(size: int, vocab: int, max_depth: int, gen: torch.Generator) -> T
     return tree
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def profile(
     llm: PreTrainedModel,
     ssms: list[PreTrainedModel],
     config: ProfileConfig | None = None,
     show_progress: bool = True,
 ) -> CostModel:
-    """Measure L_verify over tree sizes and L_speculate over the (b, d) grid for every SSM."""
+    """Measure L_verify over tree sizes and L_speculate over the (b, d) grid for every SSM, under
+    `torch.inference_mode` as decoding runs (`loop.decode`): its compiled passes are the ones
+    decoding then meets."""
     config = config or ProfileConfig()
     gen = torch.Generator().manual_seed(config.seed)
     vocab = llm.get_output_embeddings().weight.shape[0]

@@ -8,12 +8,16 @@ graphs is in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
 from transformers import PreTrainedModel
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
+from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.chain_router import ChainRouter
 from specboost.speculator.cost_model import CostModel
@@ -85,6 +89,46 @@ def test_every_model_and_pass_key_keeps_its_compiled_graphs_apart() -> None:
     functions = [calls.get(model).make() for model in (llm, ssm, llm)]
     codes = {id(function._torchdynamo_orig_callable.__code__) for function in functions}
     assert len(codes) == 3 and calls.get(llm) is calls.get(llm)
+
+
+def test_decoders_of_one_model_share_its_compiled_graphs() -> None:
+    """A second decoder over the same LLM compiles nothing its first compiled (the benchmark suite
+    builds one decoder per method and decoding), called in `torch.inference_mode` or not, nor does
+    a serving engine's worker thread on it (graphs guard on the mode, which a thread does not
+    inherit: decoding always runs in it); each gives the same greedy text."""
+    llm = tiny_llama(layers=1, seed=0).float()
+    ids = torch.tensor([PROMPTS[0]])
+    first = SpeculativeDecoder(llm, [], strategy="plain", compile=True).generate(ids, max_new_tokens=6)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    second = SpeculativeDecoder(llm, [], strategy="plain", compile=True)
+    with torch.inference_mode():
+        again = second.generate(ids, max_new_tokens=6)
+        with Engine(second, EngineConfig(batch_size=1, num_groups=1)) as engine:
+            served = engine.run([PROMPTS[0]], max_new_tokens=6)[0]
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
+    for out in (first, again, served):
+        assert torch.equal(out.sequences, expected)
+
+
+def test_changed_weights_get_graphs_of_their_own() -> None:
+    """A graph compiled on the CPU holds the weights it was compiled with (freezing): a model whose
+    weights changed in place, or were replaced, since gets new functions; each call keeps its own
+    expected shapes; a model's functions go with it."""
+    llm, other = tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
+    first, second = compilation.ModelCalls(llm.device, True), compilation.ModelCalls(llm.device, True)
+    shared = first.get(llm).store
+    assert second.get(llm).store is shared and first.get(other).store is not shared
+    assert first.get(llm) is not second.get(llm)  # the expected shapes are each decoder's own
+    with torch.no_grad():
+        next(llm.parameters()).add_(1.0)  # an optimizer step, in place
+    assert compilation.ModelCalls(llm.device, True).get(llm).store is not shared
+    llm.float().double()  # replaced tensors
+    assert compilation.ModelCalls(llm.device, True).get(llm).store is not shared
+    held = weakref.ref(llm)
+    del llm, first, second, shared
+    gc.collect()
+    assert held() is None  # the registry keeps no model alive
 
 
 def two_ssms_and_a_random_predictor(

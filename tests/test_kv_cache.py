@@ -7,12 +7,14 @@ checked on real models."""
 from __future__ import annotations
 
 import functools
+import gc
 import logging
+import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, VOCAB
+from conftest import ARCHITECTURES, VOCAB, tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, PreTrainedModel
@@ -382,8 +384,9 @@ def test_a_compiled_call_has_a_function_per_pass_key() -> None:
         cache.feed_chains([chain])
     cache.feed_chains([[8] * CAPACITY_STEP], eager=True)  # grows: a new capacity
     cache.feed_chains([[12]])
-    capacities = [key[-1] for key in call.functions]
-    assert len(made) == len(call.functions) == 3 and capacities == [CAPACITY_STEP] * 2 + [2 * CAPACITY_STEP]
+    functions = call.store.functions
+    capacities = [key[-1] for key in functions]
+    assert len(made) == len(functions) == 3 and capacities == [CAPACITY_STEP] * 2 + [2 * CAPACITY_STEP]
 
 
 def test_a_compiled_call_past_its_function_limit_runs_new_keys_eagerly(
@@ -398,7 +401,7 @@ def test_a_compiled_call_past_its_function_limit_runs_new_keys_eagerly(
     with caplog.at_level(logging.WARNING, logger=kv_cache.__name__):
         for chain in ([6], [7, 8], [9, 10, 11], [12]):
             cache.feed_chains([chain])
-    assert len(made) == len(call.functions) == 1 and call.full
+    assert len(made) == len(call.store.functions) == 1 and call.store.full
     assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -429,3 +432,18 @@ def test_warm_ups_and_growths_count_as_setting_up() -> None:
     assert setup_count() == before + 1
     cache.feed_chains([[8] * CAPACITY_STEP], eager=True)  # past the capacity: it grows
     assert cache.capacity == 2 * CAPACITY_STEP and setup_count() == before + 2
+
+
+def test_a_models_cache_facts_are_read_once_and_go_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache is made at every call (a group's, each drafter's, each admission's): what it reads
+    of the model's config is read on the model's first cache only, and not kept past the model."""
+    reads: list[str] = []
+    original = kv_cache.AttentionLayout.of
+    monkeypatch.setattr(kv_cache.AttentionLayout, "of", lambda model: reads.append("x") or original(model))
+    model = tiny_llama(layers=1, seed=3)
+    caches = [TreeCache(model, rows, CAPACITY_STEP) for rows in (0, 1, 2)]
+    assert len(reads) == 1 and {c.num_layers for c in caches} == {1}
+    held = weakref.ref(model)
+    del model, caches
+    gc.collect()
+    assert held() is None
