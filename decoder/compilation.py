@@ -27,6 +27,7 @@ from types import FunctionType
 from typing import Literal
 
 import torch
+from torch._inductor import list_mode_options
 from transformers import PreTrainedModel
 
 from specboost.speculator.kv_cache import (
@@ -45,8 +46,8 @@ from specboost.speculator.scheduler import LearnedScheduler
 from specboost.speculator.speculation import Speculator
 
 CompileSetting = bool | Literal["auto"]
-# Each model's compiled functions with the state of its weights they were made for (`shared_functions`).
-_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], CompiledFunctions]] = (
+# Each model's compiled functions with the state of the model they were made for (`shared_functions`).
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[object, ...], CompiledFunctions]] = (
     weakref.WeakKeyDictionary()
 )
 ACCUMULATED_LIMIT = 1024  # graphs of all models of a process together (a benchmark compiles many)
@@ -128,23 +129,27 @@ def shared_functions(model: PreTrainedModel) -> CompiledFunctions:
     """The compiled passes of `model` made so far in this process, by every decoder that compiled
     it: a new decoder over the same models compiles only the pass keys none met before (the
     benchmark suite builds one per method and decoding, and compiled the learned scheduler's LLM
-    passes once per decoder: on quick-r11 its warm-ups took 18 of 52 minutes). On the CPU a graph
-    holds the weights it was compiled with (freezing): the functions are kept per state of the
-    weights, and a model whose weights were replaced or changed in place since (a `load_state_dict`,
-    an optimizer step: each moves a tensor's version counter) gets new ones. Held as long as the model
-    lives (the functions hold no reference to it)."""
-    weights = weights_state(model)
+    passes once per decoder: on quick-r11 its warm-ups took 18 of 52 minutes). The functions are kept
+    per state of the model (`model_state`): on the CPU a graph holds the weights it was compiled
+    with (freezing), and no graph checks the model's modules at a call (`compile_options`), so a
+    model whose weights were replaced or changed in place since (a `load_state_dict`, an optimizer
+    step: each moves a tensor's version counter), that was put in train mode or given another
+    attention implementation gets new ones. Held as long as the model lives (the functions hold no
+    reference to it)."""
+    state = model_state(model)
     held = _SHARED.get(model)
-    if held is None or held[0] != weights:
-        held = _SHARED[model] = (weights, CompiledFunctions(function_limit(model)))
+    if held is None or held[0] != state:
+        held = _SHARED[model] = (state, CompiledFunctions(function_limit(model)))
     return held[1]
 
 
-def weights_state(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-    """Where each parameter and buffer of `model` lives and its version (in-place writes move it;
-    an inference tensor, made under `torch.inference_mode`, has none: its place alone)."""
+def model_state(model: PreTrainedModel) -> tuple[object, ...]:
+    """What a compiled pass of `model` assumes of it: train or eval mode, the attention
+    implementation, and where each parameter and buffer lives and its version (in-place writes move
+    it; an inference tensor, made under `torch.inference_mode`, has none: its place alone)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
-    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
+    weights = tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
+    return model.training, getattr(model.config, "_attn_implementation", None), weights
 
 
 def catch_up_passes() -> set[PassShape]:
@@ -193,13 +198,23 @@ def own_code(function: FunctionType) -> FunctionType:
 
 
 def compile_options(device: torch.device) -> dict[str, object]:
-    """`torch.compile` keyword arguments per device: CUDA graphs on CUDA; elsewhere inductor with its
-    C++ wrapper and freezing (the same settings serve the compiled plain-decoding baseline, so that
-    both sides of a comparison are compiled alike). Freezing folds the (inference-only) weights into
-    the graph as oneDNN-packed matrices: a few-token linear of a small model then costs little
-    more than a one-token one (the tiny fixture's LM head: 74 us for 5 tokens against 186 us
-    unfrozen), our compiled plain step ran 1.17x and a compiled chain step 1.28x faster; each graph
-    holds its own packed copy of the weights, and compiling takes about twice as long."""
+    """`torch.compile` keyword arguments per device: CUDA graphs on CUDA (`mode="reduce-overhead"`'s
+    options); elsewhere inductor with its C++ wrapper and freezing (the same settings serve the
+    compiled plain-decoding baseline, so that both sides of a comparison are compiled alike).
+    Freezing folds the (inference-only) weights into the graph as oneDNN-packed matrices: a
+    few-token linear of a small model then costs little more than a one-token one (the tiny
+    fixture's LM head: 74 us for 5 tokens against 186 us unfrozen), our compiled plain step ran
+    1.17x and a compiled chain step 1.28x faster; each graph holds its own packed copy of the
+    weights, and compiling takes about twice as long.
+
+    On every device dynamo's guards on the model's modules and parameters are dropped
+    (`skip_guard_on_all_nn_modules_unsafe`): a compiled function serves one model in one state
+    (`shared_functions`: its weights, train/eval mode and attention implementation), so they cannot
+    fail, and checking them took 81 us of the tiny fixture's 0.57 ms plain step on the CPU (about 400
+    guards; side by side on 12 held-out prompts, the plain loop ran 1.12x and a compiled chain 1.13x
+    faster without them). A fresh dict per call: torch.compile takes the filter out of the options
+    it is given."""
+    guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if device.type == "cuda":
-        return {"mode": "reduce-overhead"}
-    return {"options": {"cpp_wrapper": True, "freezing": True}}
+        return {"options": list_mode_options("reduce-overhead", dynamic=False) | guards}
+    return {"options": {"cpp_wrapper": True, "freezing": True} | guards}

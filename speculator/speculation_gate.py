@@ -16,7 +16,11 @@ time, not in windows: a window run in the losing regime (a trial, or the window 
 evidence turned) lost what the better regime would have saved on its tokens, and the other regime
 is tried again only after the better one has run for that loss / EXPLORE_SHARE seconds (at least
 MIN_WAIT windows, at most MAX_WAIT), so exploring costs at most about EXPLORE_SHARE of the time
-whatever a trial costs. Trials after a count of windows (2, 4, ... 32, doubling while they lost)
+whatever a trial costs. The share shrinks as trials keep losing, EXPLORE_SHARE / n after the n-th
+lost in a row (n at most MAX_STREAK), as a bandit explores less the more evidence it holds: where
+speculation never pays, the trials had cost a steady 1.5% of `learned+compiled`'s time on the quick
+fixture's greedy batch-1 prompts, 0.7-1.0% with the shrinking share.
+Trials after a count of windows (2, 4, ... 32, doubling while they lost)
 had left `learned+compiled` at 0.89x our plain loop on the quick suite's greedy batch-1 table
 (quick-r8): a trial of the router after a stretch of plain steps first catches an SSM up on the
 stretch, eagerly, and its steps averaged 2.9-4.8 ms against an off step's 0.6 ms.
@@ -36,6 +40,7 @@ WINDOW = 16  # steps per measured window at batch 1; WINDOW // rows at larger ba
 MIN_WINDOW = 4
 MOMENTUM = 0.5  # per window (of either regime), of the older windows' evidence
 EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
+MAX_STREAK = 8  # after the n-th trial lost in a row exploring may cost EXPLORE_SHARE / min(n, MAX_STREAK)
 MIN_WAIT = 2  # windows of the better regime before the other is tried again, however cheap its trials
 MAX_WAIT = 512  # windows of the better regime after which the other is tried whatever its last trial cost
 
@@ -71,6 +76,7 @@ class SpeculationGate:
         self.on = True if like is None else like.on  # another batch size's gate: start in its regime
         self.measured = {True: Throughput(), False: Throughput()}
         self.owed = 0.0 if like is None else like.owed  # seconds of the better regime before a trial
+        self.streak = 0 if like is None else like.streak  # trials lost in a row
         self.since = 0  # windows of the current regime since it was chosen
         self.trial = False  # the current window tries the regime that lost last
         self.steps = {True: 0, False: 0}  # steps taken in each regime
@@ -96,20 +102,22 @@ class SpeculationGate:
 
     def _choose(self, tokens: float, seconds: float) -> None:
         """After a window of `tokens` in `seconds`: run the better regime; a window that ran the
-        other one costs what the better would have saved on its tokens, and that cost, over
-        EXPLORE_SHARE, is owed in seconds of the better regime before the other's next trial."""
+        other one costs what the better would have saved on its tokens, and that cost, over the
+        exploring share, is owed in seconds of the better regime before the other's next trial. The
+        share is EXPLORE_SHARE over the trials lost in a row (at most MAX_STREAK of them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
         if rates[other] is not None:
             best = self.on if rates[self.on] >= rates[other] else other
             if best != self.on:  # a trial lost, or measured evidence turned: follow it, owe its cost
                 loss = max(0.0, seconds - tokens / rates[best])
+                self.streak += self.trial
                 self.lost += loss
-                self.owed += loss / EXPLORE_SHARE
+                self.owed += loss * min(max(self.streak, 1), MAX_STREAK) / EXPLORE_SHARE
                 self.on, self.trial, self.since = best, False, 0
                 return
             if self.trial:  # the trial won: its regime takes over
-                self.trial, self.since = False, 0
+                self.trial, self.since, self.streak = False, 0, 0
                 return
         self.owed = max(0.0, self.owed - seconds)
         self.since += 1

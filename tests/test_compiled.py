@@ -131,6 +131,41 @@ def test_changed_weights_get_graphs_of_their_own() -> None:
     assert held() is None  # the registry keeps no model alive
 
 
+def test_compiled_passes_serve_only_their_model_in_its_state() -> None:
+    """A compiled pass checks nothing of the model it is called with (`compile_options` drops
+    dynamo's guards on modules and parameters): two models of one architecture each decode to
+    their own `generate`'s text, and a model put in train mode or given another attention
+    implementation gets functions of its own."""
+    ids = torch.tensor([PROMPTS[0]])
+    for seed in (0, 1):
+        llm = tiny_llama(layers=1, seed=seed).float()
+        out = SpeculativeDecoder(llm, [], strategy="plain", compile=True).generate(ids, max_new_tokens=6)
+        expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
+        assert torch.equal(out.sequences, expected)
+
+    def store() -> compilation.CompiledFunctions:
+        return compilation.ModelCalls(llm.device, True).get(llm).store
+
+    evaluating = store()
+    assert store() is evaluating
+    llm.train()
+    training = store()
+    assert training is not evaluating
+    llm.config._attn_implementation = "eager" if llm.config._attn_implementation != "eager" else "sdpa"
+    assert store() is not training
+
+
+def test_cuda_compiles_as_reduce_overhead_without_module_guards() -> None:
+    """torch.compile takes a mode or options, not both: on CUDA the options are those of
+    mode="reduce-overhead" (CUDA graphs) with the guard filter, and torch.compile accepts them (here
+    on a CPU function, whose graph runs without CUDA graphs)."""
+    options = compilation.compile_options(torch.device("cuda"))
+    assert options["options"]["triton.cudagraphs"]
+    assert options["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    double = torch.compile(lambda x: 2 * x, fullgraph=True, dynamic=False, **options)
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+
+
 def two_ssms_and_a_random_predictor(
     bias: float,
 ) -> tuple[PreTrainedModel, list[PreTrainedModel], MatchLengthPredictor]:

@@ -20,6 +20,7 @@ from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.speculator.speculation_gate import (
     EXPLORE_SHARE,
+    MAX_STREAK,
     MAX_WAIT,
     MIN_WAIT,
     MIN_WINDOW,
@@ -47,21 +48,24 @@ def regret(regimes: list[bool], rate: dict[bool, float]) -> float:
 
 def test_the_gate_turns_speculation_off_where_plain_decoding_is_faster() -> None:
     """On first, then off measured; off wins and stays, the router tried again only once plain
-    decoding has run for the lost time over EXPLORE_SHARE: the trials cost EXPLORE_SHARE of the
-    time, evenly spaced."""
+    decoding has run for the lost time over the exploring share, which shrinks as trials keep
+    losing: EXPLORE_SHARE / n after the n-th lost in a row, down to EXPLORE_SHARE / MAX_STREAK."""
     gate = SpeculationGate()
     rate = {True: 700.0, False: 1000.0}
-    regimes = run(gate, 400, rate)
+    regimes = run(gate, 1500, rate)
     assert regimes[:2] == [True, False]
     trials = [w for w, on in enumerate(regimes) if on]
     gaps = [b - a - 1 for a, b in itertools.pairwise(trials)]  # the first: off's first window, then MIN_WAIT
     lost = WINDOW * (1 / rate[True] - 1 / rate[False])  # one trial window's cost
     off_window = WINDOW / rate[False]
-    assert gaps[0] == 1 + MIN_WAIT and set(gaps[1:]) == {math.ceil(lost / EXPLORE_SHARE / off_window)}
-    assert gate.report()["steps_off"] == WINDOW * (400 - sum(regimes))
+    shares = [EXPLORE_SHARE / min(n, MAX_STREAK) for n in range(1, len(gaps))]
+    expected = [math.ceil(lost / share / off_window) for share in shares]
+    assert gaps[0] == 1 + MIN_WAIT and gaps[1:] == expected and len(gaps) > MAX_STREAK + 1
+    assert gate.report()["steps_off"] == WINDOW * (1500 - sum(regimes))
     assert gate.report()["seconds_lost"] == pytest.approx(regret(regimes[2:], rate))
     seconds = sum(WINDOW / rate[on] for on in regimes)
     assert regret(regimes, rate) <= EXPLORE_SHARE * seconds + 3 * lost
+    assert regret(regimes[-400:], rate) <= EXPLORE_SHARE / MAX_STREAK * seconds * 400 / 1500 + lost
 
 
 def test_the_gate_keeps_speculation_where_it_pays_and_follows_a_change() -> None:
@@ -89,6 +93,7 @@ def test_a_trial_that_wins_takes_over() -> None:
     after = regimes[regimes.index(True) :]
     assert gate.on and after.count(False) == 1  # the trial of plain decoding after MIN_WAIT windows
     assert after.index(False) == 1 + MIN_WAIT
+    assert gate.streak == 1  # plain decoding's trial lost, one in a row: the router's win reset the count
 
 
 def test_a_costly_trial_waits_at_most_max_wait_windows() -> None:
@@ -203,6 +208,7 @@ def test_a_new_batch_size_starts_where_the_nearest_gate_stands() -> None:
     assert scheduler.gate(5) is eight  # one bucket
     four = scheduler.gate(3)
     assert not four.on and four.owed == eight.owed and four.window == max(MIN_WINDOW, WINDOW // 4)
+    assert four.streak == eight.streak == 1
     windows = four.owed / (four.window / 1000)  # off windows that pay what it owes
     regimes = run(four, math.ceil(windows) + 2, {True: 500.0, False: 1000.0})
     assert abs(regimes.index(True) - windows) <= 1  # its first trial of the router once it is paid
