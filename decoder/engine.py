@@ -242,17 +242,22 @@ class Engine:
         before `streamer` sees anything. `streamer` gets the prompt now, then the request's tokens
         as they are verified, then `end()` once (see the module doc); if the engine then refuses
         the request (`QueueFull`, closed), the stream ends before the error is raised."""
-        return self._enqueue([self._request(prompt_ids, generation_config, seed, streamer, options)])[0]
+        request = self._request(
+            prompt_ids, generation_config=generation_config, seed=seed, streamer=streamer, **options
+        )
+        return self._enqueue([request])[0]
 
     def _request(
         self,
         prompt_ids: Sequence[int] | torch.Tensor,
-        generation_config: GenerationConfig | None,
-        seed: int | None,
-        streamer: BaseStreamer | None,
-        options: dict,
+        *,
+        generation_config: GenerationConfig | None = None,
+        seed: int | None = None,
+        streamer: BaseStreamer | None = None,
+        **options: object,
     ) -> SequenceState:
-        """A checked request's row, its `RequestHandle` as its tag (not queued yet)."""
+        """A checked request's row, its `RequestHandle` as its tag (not queued yet); the keywords
+        of `submit`."""
         ids = torch.as_tensor(prompt_ids)
         check_generate_arguments(ids, None, options, seed, output_vocab_size(self.decoder.llm))
         row = new_sequence(
@@ -305,10 +310,7 @@ class Engine:
         rows = []
         for r in requests:
             request = r if isinstance(r, Request) else Request(r)
-            given = options | request.options  # a new dict: the keywords of `submit` leave it
-            seed, streamer = given.pop("seed", None), given.pop("streamer", None)
-            config = given.pop("generation_config", None)
-            rows.append(self._request(request.prompt_ids, config, seed, streamer, given))
+            rows.append(self._request(request.prompt_ids, **(options | request.options)))
         return [handle.result(timeout) for handle in self._enqueue(rows)]
 
     @property
