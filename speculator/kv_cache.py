@@ -98,14 +98,9 @@ class CompiledPass:
     the plain loop's call. The functions live in `store`, which other calls of the same model may
     share (a key compiled by one is not compiled again by the next)."""
 
-    def __init__(
-        self,
-        make: Callable[[], PassFunction],
-        limit: int = MIN_FUNCTIONS,
-        store: CompiledFunctions | None = None,
-    ) -> None:
+    def __init__(self, make: Callable[[], PassFunction], store: CompiledFunctions | None = None) -> None:
         self.make = make
-        self.store = store or CompiledFunctions(limit)
+        self.store = store or CompiledFunctions()
         self.expected: set[PassShape] = set()
         self.met: set[tuple[int, int]] = set()  # (physical rows, capacity) of the caches warmed
 
@@ -129,7 +124,7 @@ class CompiledPass:
         )
 
     def _new_function(self, key: tuple[int, ...], model: PreTrainedModel) -> PassFunction:
-        """A compiled function for a key not met yet; past `limit` the eager pass (said once)."""
+        """A compiled function for a key not met yet; past the store's `limit` the eager pass (said once)."""
         store = self.store
         if len(store.functions) < store.limit:
             function = store.functions[key] = self.make()

@@ -111,7 +111,8 @@ class SpeculationGate:
             best = self.on if rates[self.on] >= rates[other] else other
             if best != self.on:  # a trial lost, or measured evidence turned: follow it, owe its cost
                 loss = max(0.0, seconds - tokens / rates[best])
-                self.streak += self.trial
+                if self.trial:
+                    self.streak += 1
                 self.lost += loss
                 self.owed += loss * min(max(self.streak, 1), MAX_STREAK) / EXPLORE_SHARE
                 self.on, self.trial, self.since = best, False, 0

@@ -26,6 +26,7 @@ from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape, kv_cache
 from specboost.speculator.kv_cache import (
     CAPACITY_STEP,
+    CompiledFunctions,
     CompiledPass,
     PassShape,
     TreeCache,
@@ -395,7 +396,7 @@ def test_a_compiled_call_past_its_function_limit_runs_new_keys_eagerly(
     """Each compiled function holds graphs (on the CPU, each its own frozen copy of the weights): past
     its limit a call runs new keys eagerly, and says so once."""
     made: list[int] = []
-    call = CompiledPass(lambda: made.append(1) or tree_pass, limit=1)
+    call = CompiledPass(lambda: made.append(1) or tree_pass, CompiledFunctions(limit=1))
     cache = TreeCache(llm_for("llama"), 1, CAPACITY_STEP, call)
     cache.feed_chains([[3, 4, 5]], eager=True)
     with caplog.at_level(logging.WARNING, logger=kv_cache.__name__):
