@@ -21,7 +21,7 @@ from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing
 from specboost.speculator.kv_cache import setup_count
 from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler
-from specboost.speculator.speculation_gate import SpeculationGate
+from specboost.speculator.speculation_gate import COLD_STEPS, SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that read the drafts' q
@@ -44,8 +44,16 @@ class RoutedDrafting:
         self._drafting = 0.0
         self._start = 0.0  # when the step's drafting began
         self._setups = 0  # `setup_count()` when the step began
+        self._steps = 0  # steps of this group so far
+        self._cold = 0  # its first steps, not measured by the gate (`add`)
 
     def add(self, rows: list[SequenceState]) -> None:
+        """Rows join the group. A new group's first COLD_STEPS steps are not measured by the gate
+        (5.4: they reload the caches after what ran before the call), unless that is most of what
+        its rows want: a gate fed only short calls measures their cold steps, as they cost."""
+        if not self._steps:
+            wanted = max(row.stop.remaining for row in rows)
+            self._cold = COLD_STEPS if wanted > 2 * COLD_STEPS else 0
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
         self.pacing.restart()  # decide for the new rows at once
@@ -114,7 +122,9 @@ class RoutedDrafting:
         return self._plan.lengths[row] if self._plan is not None else 0
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
-        if self._gate is not None and setup_count() == self._setups:  # else it timed setting up
+        self._steps += 1
+        measured = self._steps > self._cold and setup_count() == self._setups  # not warming or setting up
+        if self._gate is not None and measured:
             emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
             self._gate.step(emitted / len(accepted), time.perf_counter() - self._start)
         if self._plan is None:

@@ -27,7 +27,12 @@ stretch, eagerly, and its steps averaged 2.9-4.8 ms against an off step's 0.6 ms
 A regime's rate stays what it last measured until it runs again, so one step timed while the
 decoder set itself up (a compile, a cache's warm-up at a capacity it had not met, a growth: about
 0.2 s against 2 ms steps at batch 8) would hold the gate in the wrong regime and charge its
-window as a loss: such steps (`setup_count`) are not measured.
+window as a loss: such steps (`setup_count`) are not measured. Nor are a group's first COLD_STEPS
+steps (but in groups that want little more): on a CPU they bring the models back into the caches
+after whatever ran before the call (the quick fixture's compiled plain loop right after an eager
+pool's call, the suite's `pruned` row: +0.42, +0.25, +0.12, +0.08 ms on steps 1-4 against
+steady steps of 0.4 ms), so a window holding a call's start measured the call before it too,
+and a trial judged on one won or lost by another program's footprint.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`).
 """
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 
 WINDOW = 16  # steps per measured window at batch 1; WINDOW // rows at larger batches (at least MIN_WINDOW)
 MIN_WINDOW = 4
+COLD_STEPS = 4  # a group's (a `generate` call's) first steps, not measured: they reload the caches
 MOMENTUM = 0.5  # per window (of either regime), of the older windows' evidence
 EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
 MAX_STREAK = 8  # after the n-th trial lost in a row exploring may cost EXPLORE_SHARE / min(n, MAX_STREAK)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from transformers import BatchEncoding
 
 from specboost.decoder.bench.diversity import summarise_matches, walk_steps
 from specboost.decoder.bench.markdown import (
@@ -25,8 +27,8 @@ from specboost.decoder.bench.markdown import (
     results_page,
     speculative,
 )
-from specboost.decoder.bench.protocol import GREEDY, Plan, Report, run_cells
-from specboost.decoder.bench.records import Cell, CellRun, RunRecord, row_stats
+from specboost.decoder.bench.protocol import GREEDY, Plan, Protocol, Report, measure, run_cells
+from specboost.decoder.bench.records import Cell, CellRun, Method, MethodResult, RunRecord, row_stats
 from specboost.decoder.bench.suite import SuiteConfig
 from specboost.decoder.bench.summary import (
     Spread,
@@ -674,3 +676,34 @@ def test_a_run_where_every_cell_is_skipped_says_why_instead_of_writing_an_empty_
 def test_a_suite_of_plain_decoding_alone_is_refused() -> None:
     with pytest.raises(ValueError, match="nothing to compare with plain decoding"):
         SuiteConfig(methods=("plain",))
+
+
+def test_the_methods_run_in_shuffled_orders_and_are_judged_against_the_first() -> None:
+    """Every method runs every item `repeats` times, in an order shuffled for every item and repeat
+    (on a CPU a run's first steps pay for its predecessor's footprint: in a fixed order every method
+    always followed the same one); records come back in method order, and a run is identical when
+    its rows equal the first method's first run's."""
+    calls: list[str] = []
+
+    def method(name: str, rows: list[list[int]]) -> Method:
+        def run(_) -> MethodResult:
+            calls.append(name)
+            return MethodResult([list(r) for r in rows], 1, [0.0])
+
+        return Method(name, name, run)
+
+    methods = [
+        method("plain", [[1, 2]]),
+        method("same", [[1, 2]]),
+        method("other", [[3]]),
+        method("x", [[1, 2]]),
+    ]
+    items = [BatchEncoding({"input_ids": torch.zeros(1, 2, dtype=torch.long)})] * 3
+    records, _ = measure(methods, items, Protocol(repeats=4, warmup=0), lambda _: None)
+    rounds = [tuple(calls[i : i + 4]) for i in range(0, len(calls), 4)]
+    assert len(rounds) == 12 and all(sorted(r) == sorted(m.name for m in methods) for r in rounds)
+    assert len(set(rounds)) > 1 and len({r[0] for r in rounds}) > 1  # orders, and who comes first, vary
+    assert [(r.item, r.repeat, r.method) for r in records] == [
+        (i, k, m.name) for i in range(3) for k in range(4) for m in methods
+    ]
+    assert {r.method for r in records if not r.identical} == {"other"}

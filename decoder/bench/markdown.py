@@ -323,7 +323,8 @@ def models_line(report: Report) -> str:
     return (
         f"{'Models given' if report.fixture is None else f'Fixture `{c.fixture}`'}: "
         f"LLM `{models['llm']}` ({params['llm'] / 1e6:.1f}M parameters), {pools}. {workloads}, "
-        f"{c.max_new_tokens} new tokens; {c.repeats} repeats after {c.warmup} warm-up, methods interleaved."
+        f"{c.max_new_tokens} new tokens; {c.repeats} repeats after {c.warmup} warm-up, "
+        "methods interleaved in shuffled orders."
     )
 
 
