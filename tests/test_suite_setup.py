@@ -191,7 +191,8 @@ def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resum
     is removed before it runs, since a boost run refuses another run's folder and a labelling run
     would resume from labels of SSMs since retrained. A step killed mid-run (its "started" marker
     names the same command) resumes from what it left; an `--out` outside the cache (the reference
-    LLM's, shared with `make reference-llm`) is never removed."""
+    LLM's, shared with `make reference-llm`) is never removed. A step after one that ran in the
+    same build starts afresh even from its own interrupted run: that run read older inputs."""
     cache = tmp_path / "bench-fixture" / "tiny"
     out, shared = cache / "pool", tmp_path / "reference-llm"
     script = (
@@ -217,6 +218,17 @@ def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resum
     (cache / "done" / "boost.started.json").write_text(json.dumps({"argv": list(steps[0].argv)}))
     build_fixture("tiny", tmp_path, log=lambda _: None)
     assert "checkpoint" in (out / "seen.txt").read_text().split()
+
+    # Its upstream step runs again in this build: an interrupted run of it is stale too.
+    upstream = Step(
+        "trunk", ("-c", script, "--out", str(cache / "trunk"), "--x"), cache / "trunk" / "record.json"
+    )
+    steps.insert(0, upstream)
+    (out / "checkpoint").write_text("from SSMs since retrained")
+    (cache / "done" / "boost.started.json").write_text(json.dumps({"argv": list(steps[1].argv)}))
+    build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert (out / "seen.txt").read_text() == ""
+    steps.pop(0)
 
     shared.mkdir()
     (shared / "model.bin").write_text("kept")

@@ -331,6 +331,7 @@ def build_fixture(
         if outcome is not None:
             log(f"[fixture {name}] {step.name}: cached (built in {outcome.seconds:.0f} s)")
         else:
+            fresh = upstream_ran  # a step before it ran in this build: what its --out holds is stale
             upstream_ran = True
             log(
                 f"[fixture {name}] {step.name}: {'to build: ' if dry_run else ''}"
@@ -338,7 +339,7 @@ def build_fixture(
             )
             if dry_run:
                 continue
-            outcome = _run_step(paths.cache, step)
+            outcome = _run_step(paths.cache, step, fresh)
             log(f"[fixture {name}] {step.name}: done in {outcome.seconds:.0f} s")
         build.steps.append(outcome)
     build.seconds = time.perf_counter() - start
@@ -347,13 +348,18 @@ def build_fixture(
     return build
 
 
-def _run_step(cache: Path, step: Step) -> StepOutcome:
-    """Run `step`. A step run afresh (not resuming its own interrupted run, which its "started"
-    marker names) first removes what its `--out` holds: the output of an earlier recipe or of
-    earlier upstream outputs, which the training commands refuse to overwrite (a boost run with
-    other settings) or would resume from as if current (labels of SSMs since retrained)."""
+def _run_step(cache: Path, step: Step, fresh: bool) -> StepOutcome:
+    """Run `step`. A step run afresh (`fresh`: a step before it ran in this build; or not resuming
+    its own interrupted run, which its "started" marker names) first removes what its `--out`
+    holds: the output of an earlier recipe or of earlier upstream outputs, which the training
+    commands refuse to overwrite (a boost run with other settings) or would resume from as if
+    current (labels of SSMs since retrained)."""
     started_marker = _marker(cache, step).with_suffix(".started.json")
-    resuming = started_marker.is_file() and json.loads(started_marker.read_text())["argv"] == list(step.argv)
+    resuming = (
+        not fresh
+        and started_marker.is_file()
+        and json.loads(started_marker.read_text())["argv"] == list(step.argv)
+    )
     if not resuming:
         _clear_output(cache, step)
         started_marker.parent.mkdir(parents=True, exist_ok=True)
