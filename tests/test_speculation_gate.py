@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -219,24 +220,46 @@ def test_a_new_batch_size_starts_where_the_nearest_gate_stands() -> None:
     assert scheduler.gate(4).on and scheduler.gate(4).owed == 0
 
 
+def recorded_gate_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, float, float]]:
+    """Every step the gates measure from now on: (on, tokens per row, seconds)."""
+    measured: list[tuple[bool, float, float]] = []
+    step = SpeculationGate.step
+
+    def recorded(gate: SpeculationGate, tokens: float, seconds: float) -> None:
+        measured.append((gate.on, tokens, seconds))
+        step(gate, tokens, seconds)
+
+    monkeypatch.setattr(SpeculationGate, "step", recorded)
+    return measured
+
+
+def slow_proposals(
+    monkeypatch: pytest.MonkeyPatch, slow: Callable[[RoutedDrafting], bool], seconds: float
+) -> None:
+    """`RoutedDrafting.propose` sleeps `seconds` after drafting (inside the step the gate times)
+    where `slow(drafting)`."""
+    propose = RoutedDrafting.propose
+
+    def slowed(self: RoutedDrafting, rows, *args):
+        drafted = propose(self, rows, *args)
+        if slow(self):
+            time.sleep(seconds)
+        return drafted
+
+    monkeypatch.setattr(RoutedDrafting, "propose", slowed)
+
+
 def test_the_gate_counts_tokens_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch's step is measured in tokens per row: as its rows finish, a compiled pass keeps its
     padded rows and its time, so total tokens would make the regime running look slower than the
     other's rate, measured with more rows. Plain steps count 1 token per row at any batch size."""
     _, decoder = drafting_in_vain()
-    counted = []
-    step = SpeculationGate.step
-
-    def recorded(gate: SpeculationGate, tokens: float, seconds: float) -> None:
-        counted.append((gate.on, tokens))
-        step(gate, tokens, seconds)
-
-    monkeypatch.setattr(SpeculationGate, "step", recorded)
+    counted = recorded_gate_steps(monkeypatch)
     prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
     BatchedDecoder(decoder).generate(prompts, max_new_tokens=80)
-    off = [tokens for on, tokens in counted if not on]
+    off = [tokens for on, tokens, _ in counted if not on]
     assert off and set(off) == {1.0}
-    assert all(tokens >= 1.0 for on, tokens in counted if on)
+    assert all(tokens >= 1.0 for on, tokens, _ in counted if on)
 
 
 def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,29 +268,22 @@ def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.Monkey
     batch 8 on the quick suite's fixture) had made plain decoding look ten times slower than the
     router, and the gate kept the router on for the rest of the table."""
     llm, decoder = drafting_in_vain()
-    setups, timed = [0], []
+    setups = [0]
     monkeypatch.setattr(routed_drafting, "setup_count", lambda: setups[0])
-    step = SpeculationGate.step
-
-    def recorded(gate: SpeculationGate, tokens: int, seconds: float) -> None:
-        timed.append(seconds)
-        step(gate, tokens, seconds)
-
-    monkeypatch.setattr(SpeculationGate, "step", recorded)
-    propose = RoutedDrafting.propose
+    measured = recorded_gate_steps(monkeypatch)
     steps = itertools.count(1)
 
-    def slow_setup(self, rows, *args):
-        drafted = propose(self, rows, *args)
+    def sets_up(_: RoutedDrafting) -> bool:
         if next(steps) % 10 == 8:  # now and then a step sets something up, slowly
             setups[0] += 1
-            time.sleep(0.05)
-        return drafted
+            return True
+        return False
 
-    monkeypatch.setattr(RoutedDrafting, "propose", slow_setup)
+    slow_proposals(monkeypatch, sets_up, 0.05)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     out = decoder.generate(prompt, max_new_tokens=60)
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
+    timed = [seconds for _, _, seconds in measured]
     assert setups[0] >= 5 and len(timed) == out.stats.llm_steps - setups[0] - COLD_STEPS
     assert max(timed) < 0.05
 
@@ -282,29 +298,16 @@ def test_a_calls_cold_steps_are_not_measured_unless_the_call_is_that_short(
     llm, decoder = drafting_in_vain()
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     decoder.generate(prompt, max_new_tokens=30)  # torch's own first calls, untimed
-    timed: list[float] = []
-    step = SpeculationGate.step
-
-    def recorded(gate: SpeculationGate, tokens: float, seconds: float) -> None:
-        timed.append(seconds)
-        step(gate, tokens, seconds)
-
-    monkeypatch.setattr(SpeculationGate, "step", recorded)
-    propose = RoutedDrafting.propose
-
-    def cold_start(self, rows, *args):
-        drafted = propose(self, rows, *args)
-        if self._steps < COLD_STEPS:  # the call's first steps run slowly
-            time.sleep(0.02)
-        return drafted
-
-    monkeypatch.setattr(RoutedDrafting, "propose", cold_start)
+    measured = recorded_gate_steps(monkeypatch)
+    slow_proposals(monkeypatch, lambda drafting: drafting._steps < COLD_STEPS, 0.02)  # a cold start
     for _ in range(3):
         out = decoder.generate(prompt, max_new_tokens=30)
         assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
+    timed = [seconds for _, _, seconds in measured]
     assert len(timed) == 3 * (out.stats.llm_steps - COLD_STEPS) and max(timed) < 0.02
-    timed.clear()
+    measured.clear()
     out = decoder.generate(prompt, max_new_tokens=2 * COLD_STEPS)
+    timed = [seconds for _, _, seconds in measured]
     assert len(timed) == out.stats.llm_steps and max(timed) >= 0.02
 
 

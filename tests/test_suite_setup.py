@@ -88,6 +88,12 @@ def test_a_trunk_takes_its_steps_from_the_pool_and_every_specialist_starts_from_
     }
 
 
+@pytest.mark.parametrize("trunk_steps", [-1, 1198])
+def test_a_trunk_that_leaves_a_member_no_steps_is_refused(trunk_steps: int) -> None:
+    with pytest.raises(ValueError, match=r"trunk_steps must leave each of the 3 SSMs .* got"):
+        bench_fixture.FixtureSpec(preset="tiny", trunk_steps=trunk_steps)
+
+
 def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
     """Its hardware profile is measured on its own SSMs (as the greedy pool's), beside them, so
     that the export ships it."""

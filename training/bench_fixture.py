@@ -92,6 +92,14 @@ class FixtureSpec:
     # path; at 400 the measured TV at T = 0.8 was 0.39-0.43, at 1200 0.27-0.29 (docs/results.md).
     sampled_boost_flags: tuple[str, ...] = ("--max-steps", "1200", "--loss", "kl", "--boost-mode", "sampled")
 
+    def __post_init__(self) -> None:
+        budget = self.num_ssms * self.max_steps
+        if not 0 <= self.trunk_steps <= budget - self.num_ssms:
+            raise ValueError(
+                f"trunk_steps must leave each of the {self.num_ssms} SSMs at least one of the pool's "
+                f"{budget} steps (0 <= trunk_steps <= {budget - self.num_ssms}), got {self.trunk_steps}"
+            )
+
 
 FIXTURES: dict[str, FixtureSpec] = {
     # The benchmark target (~1 h of training on 2 cores). Its stories come from the 900 training-
