@@ -11,7 +11,8 @@ generated kernels without a Python wrapper per kernel (a small model's forward i
 wrapper otherwise). Prompts and other long passes run eagerly (`COMPILED_MAX_NODES`). A graph is
 compiled the first time its shape is met: call `SpeculativeDecoder.warmup` to pay that before timing
 anything. A strategy whose shapes vary from step to step (the learned scheduler: a beam (b, d) or
-nothing per SSM and step) registers every shape it can produce (`expect_passes`), and they are all
+nothing per SSM and step; a pool's merged tree, as large as its SSMs disagree) registers every shape
+it can produce (`expect_passes`), and they are all
 compiled the first time a cache of some rows and capacity meets the call (`CompiledPass`). The
 graphs of a model are shared by every decoder of the process that compiles it (`shared_functions`).
 """
@@ -41,9 +42,11 @@ from specboost.speculator.kv_cache import (
     node_bucket,
     tree_pass,
 )
+from specboost.speculator.majority import MajoritySpeculator
 from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
-from specboost.speculator.speculation import Speculator
+from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape
+from specboost.speculator.speculation import PoolSpeculator, Speculator
 
 CompileSetting = bool | Literal["auto"]
 # Each model's compiled functions with the state of the model they were made for (`shared_functions`).
@@ -93,11 +96,16 @@ class ModelCalls:
         return self._calls[id(model)]
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
-        """Register the pass shapes of the learned schedulers (ALGORITHMS.md section 5) with the
-        compiled calls of the LLM and of its SSMs; other strategies' shapes hardly vary, and their
-        warm-up generation meets them. Every beam of the scheduler's grid (and its fallback) may be
-        cut to any shallower depth near the end of a sequence, and any SSM may sit a step out; a
-        routed chain (section 5.3) may be of any length up to the deepest of the grid, or none."""
+        """Register the pass shapes a strategy can produce with the compiled calls of the LLM and of
+        its SSMs: a cache compiles them all where it first meets a capacity (in a warm-up), not in
+        the step where a shape first turns up. The learned schedulers' shapes vary from step to step
+        (ALGORITHMS.md section 5): every beam of the grid (and the fallback) may be cut to any
+        shallower depth near the end of a sequence, any SSM may sit a step out, and a routed chain
+        (5.3) may be of any length up to the deepest of the grid, or none. A pool of a fixed shape
+        varies too: its merged tree is as small as one SSM's draft where they all agree and as large
+        as all of them where none does, and a weighted majority (section 6) sends the voted chain,
+        cut short where its voted SSMs change: a warm-up generation meets some of those sizes only
+        (`majority+compiled` compiled a graph in a timed run of the quick suite, r17 and r18)."""
         if not self.enabled:
             return
         if isinstance(speculator, RoutedScheduler):
@@ -108,13 +116,33 @@ class ModelCalls:
             for model in speculator.models:
                 self.get(model).expected.update({*catch_up_passes(), PassShape(1, 1, False)})
             return
-        if not isinstance(speculator, LearnedScheduler):
+        if isinstance(speculator, LearnedScheduler):
+            fallback = speculator.fallback
+            grid = {*speculator.options[1:], (fallback.width, fallback.depth)}
+            beams = {(b, depth) for b, d in grid for depth in range(1, d + 1)}
+            # The LLM verifies the merged tree: at most every SSM's largest beam, under one root.
+            largest = 1 + speculator.num_ssms * max(b * d for b, d in beams)
+        elif isinstance(speculator, PoolSpeculator) and speculator.length_controller is None:
+            beam = pool_beam(speculator.shape)
+            if beam is None:
+                return
+            width, depth = beam
+            beams = {(width, d) for d in range(1, depth + 1)}
+            merged = 1 if isinstance(speculator, MajoritySpeculator) else speculator.num_ssms
+            largest = 1 + merged * width * depth
+        else:
             return
-        fallback = speculator.fallback
-        grid = {*speculator.options[1:], (fallback.width, fallback.depth)}
-        beams = {(b, depth) for b, d in grid for depth in range(1, d + 1)}
-        # The LLM verifies the merged tree: at most every SSM's largest beam, under one root.
-        largest = 1 + speculator.num_ssms * max(b * d for b, d in beams)
+        self.expect_pool(llm, speculator, beams, largest)
+
+    def expect_pool(
+        self,
+        llm: PreTrainedModel,
+        speculator: PoolSpeculator | LearnedScheduler,
+        beams: set[tuple[int, int]],
+        largest: int,
+    ) -> None:
+        """The LLM verifies trees of 1..`largest` nodes; each drafting unit catches up and drafts
+        any of `beams` (b, d) per SSM, or nothing."""
         verify = {node_bucket(size) for size in range(1, largest + 1)}
         self.get(llm).expected.update(
             PassShape(n, n, speculator.wants_hidden) for n in verify if n <= COMPILED_MAX_NODES
@@ -123,6 +151,16 @@ class ModelCalls:
             call = self.get(unit.model)
             call.expected.update(catch_up_passes())
             call.expected.update(level_passes(beams, len(unit.rows)))
+
+
+def pool_beam(shape: DraftShape) -> tuple[int, int] | None:
+    """(nodes per level, depth) of one SSM's draft of a fixed `shape`; None for a topology (not
+    registered: a warm-up generation meets its one tree)."""
+    if isinstance(shape, ChainShape):
+        return shape.samples, shape.length
+    if isinstance(shape, BeamShape):
+        return shape.width, shape.depth
+    return None
 
 
 def shared_functions(model: PreTrainedModel) -> CompiledFunctions:

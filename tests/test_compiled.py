@@ -204,6 +204,18 @@ def test_learned_scheduler_compiles_nothing_after_warmup() -> None:
     assert len(choices) > 1, choices  # the shapes varied
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["majority", "pool"])
+def test_pools_compile_nothing_after_warmup(strategy: str) -> None:
+    """A pool of a fixed shape verifies trees whose size varies with how far its SSMs agree (the
+    merged tree) or which of them is voted (the majority's chain, ALGORITHMS.md section 6); `warmup`
+    compiles every size, so generations on other prompts compile nothing new (`majority+compiled`
+    had compiled a graph in a timed run of the quick suite); the outputs stay `llm.generate`'s."""
+    llm = tiny_llama(layers=2, seed=0).float()
+    ssms = [noisy_copy(llm, 0.3, seed=1), noisy_copy(llm, 0.6, seed=2)]
+    generate_after_warmup(SpeculativeDecoder(llm, ssms, strategy=strategy, shape=ChainShape(3), compile=True))
+
+
 def test_level_passes_cover_every_joint_beam() -> None:
     """Two SSMs of one stacked unit: level j feeds the wider beam still growing, after the levels
     before it (nodes and seen keys padded to their buckets)."""
