@@ -123,10 +123,10 @@ class RoutedDrafting:
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         self._steps += 1
-        measured = self._steps > self._cold and setup_count() == self._setups  # not warming or setting up
-        if self._gate is not None and measured:
+        if self._gate is not None and setup_count() == self._setups:  # not warming or setting up
             emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-            self._gate.step(emitted / len(accepted), time.perf_counter() - self._start)
+            measure = self._gate.step if self._steps > self._cold else self._gate.unmeasured
+            measure(emitted / len(accepted), time.perf_counter() - self._start)
         if self._plan is None:
             return
         start = time.perf_counter()

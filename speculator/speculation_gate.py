@@ -32,7 +32,13 @@ steps (but in groups that want little more): on a CPU they bring the models back
 after whatever ran before the call (the quick fixture's compiled plain loop right after an eager
 pool's call, the suite's `pruned` row: +0.42, +0.25, +0.12, +0.08 ms on steps 1-4 against
 steady steps of 0.4 ms), so a window holding a call's start measured the call before it too,
-and a trial judged on one won or lost by another program's footprint.
+and a trial judged on one won or lost by another program's footprint. What those steps cost is
+still charged to a window its regime lost (`unmeasured`): a call that starts while the router is
+on has it catch its SSM up on the whole prompt, eagerly, in them, and on quick-r18 the greedy
+batch-1 calls that held a trial took 1.24x our plain loop's time per token while the gate, seeing
+only its measured windows, had counted 2 ms lost over the whole table (the trial windows' measured
+rate: 0.94x off's). The charge is against the better regime's steady rate, which its own cold
+steps would not reach either: it errs toward exploring less.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`).
 """
@@ -88,6 +94,13 @@ class SpeculationGate:
         self.steps = {True: 0, False: 0}  # steps taken in each regime
         self.lost = 0.0  # seconds the windows run in the losing regime cost, summed
         self._window = [0, 0.0, 0]  # tokens, seconds, steps of the window in progress
+        self._unmeasured = [0.0, 0.0]  # tokens, seconds of its steps left out of its rate
+
+    def unmeasured(self, tokens: float, seconds: float) -> None:
+        """A step of the current regime left out of its rate (a call's cold steps): what it cost
+        over the better regime's rate counts if the window it falls in is lost."""
+        self._unmeasured[0] += tokens
+        self._unmeasured[1] += seconds
 
     def step(self, tokens: float, seconds: float) -> None:
         """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
@@ -103,14 +116,16 @@ class SpeculationGate:
         for throughput in self.measured.values():
             throughput.decay()
         self.measured[self.on].add(window[0], window[1])
-        self._window = [0, 0.0, 0]
-        self._choose(window[0], window[1])
+        unmeasured = self._unmeasured
+        self._window, self._unmeasured = [0, 0.0, 0], [0.0, 0.0]
+        self._choose(window[0] + unmeasured[0], window[1] + unmeasured[1])
 
     def _choose(self, tokens: float, seconds: float) -> None:
-        """After a window of `tokens` in `seconds`: run the better regime; a window that ran the
-        other one costs what the better would have saved on its tokens, and that cost, over the
-        exploring share, is owed in seconds of the better regime before the other's next trial. The
-        share is EXPLORE_SHARE over the trials lost in a row (at most MAX_STREAK of them)."""
+        """After a window of `tokens` in `seconds` (its unmeasured steps included): run the better
+        regime; a window that ran the other one costs what the better would have saved on its
+        tokens, and that cost, over the exploring share, is owed in seconds of the better regime
+        before the other's next trial. The share is EXPLORE_SHARE over the trials lost in a row (at
+        most MAX_STREAK of them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
         if rates[other] is not None:

@@ -128,6 +128,26 @@ def test_exploring_costs_at_most_its_share_of_the_time(on_rate: float, off_rate:
     assert gate.report()["seconds_lost"] == pytest.approx(lost - first, abs=1e-9)
 
 
+def test_a_lost_windows_unmeasured_steps_count_in_its_loss() -> None:
+    """A call's cold steps stay out of a regime's rate, but what they cost counts when the window
+    they fall in is lost: a trial whose call started by catching the SSMs up on a prompt owes that
+    time too (at the better regime's rate, its tokens were worth 1 ms each here)."""
+    gate = SpeculationGate()
+    rate = {True: 500.0, False: 1000.0}
+    run(gate, 4, rate)  # on, off, off, off: the next window is the router's trial
+    assert gate.on
+    gate.unmeasured(4, 0.04)  # a cold start: 4 tokens in 40 ms
+    run(gate, 1, rate)
+    cold = 0.04 - 4 / rate[False]
+    assert not gate.on
+    assert gate.report()["seconds_lost"] == pytest.approx(WINDOW * (1 / 500 - 1 / 1000) + cold)
+    assert gate.measured[True].rate == pytest.approx(500.0)  # its rate: the measured steps only
+    owed = gate.owed
+    gate.unmeasured(4, 0.04)  # the better regime's cold steps count as time it ran
+    run(gate, 1, rate)
+    assert gate.owed == pytest.approx(owed - WINDOW / 1000 - 0.04)
+
+
 def test_a_change_in_the_regime_not_run_is_found_once_the_last_loss_is_paid() -> None:
     """Off after the router lost; then drafting starts to pay, unseen while off: the router is tried,
     and takes over, once plain decoding has run for the lost time over EXPLORE_SHARE."""
@@ -293,18 +313,25 @@ def test_a_calls_cold_steps_are_not_measured_unless_the_call_is_that_short(
 ) -> None:
     """A call's first COLD_STEPS steps reload the caches after whatever ran before it (on the quick
     fixture's CPU +0.42 ms on step 1 against 0.4 ms steps): the gate leaves them out, so that a
-    window holding a call's start does not measure the call before it. A call that wants no more
-    than 2 COLD_STEPS tokens is measured whole: its cold steps are most of what such calls cost."""
+    window holding a call's start does not measure the call before it (they are handed over as
+    `unmeasured`, charged only to a lost window). A call that wants no more than 2 COLD_STEPS
+    tokens is measured whole: its cold steps are most of what such calls cost."""
     llm, decoder = drafting_in_vain()
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     decoder.generate(prompt, max_new_tokens=30)  # torch's own first calls, untimed
     measured = recorded_gate_steps(monkeypatch)
+    cold: list[float] = []
+    unmeasured = SpeculationGate.unmeasured
+    monkeypatch.setattr(
+        SpeculationGate, "unmeasured", lambda gate, t, s: cold.append(s) or unmeasured(gate, t, s)
+    )
     slow_proposals(monkeypatch, lambda drafting: drafting._steps < COLD_STEPS, 0.02)  # a cold start
     for _ in range(3):
         out = decoder.generate(prompt, max_new_tokens=30)
         assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
     timed = [seconds for _, _, seconds in measured]
     assert len(timed) == 3 * (out.stats.llm_steps - COLD_STEPS) and max(timed) < 0.02
+    assert len(cold) == 3 * COLD_STEPS and min(cold) >= 0.02  # handed over as unmeasured steps
     measured.clear()
     out = decoder.generate(prompt, max_new_tokens=2 * COLD_STEPS)
     timed = [seconds for _, _, seconds in measured]
