@@ -78,10 +78,14 @@ def llm(tmp_path: Path) -> str:
 
 
 def write_distilled(
-    folder: Path, rows: list[tuple[list[int], list[int]]], sources: list[str] | None = None
+    folder: Path,
+    rows: list[tuple[list[int], list[int]]],
+    sources: list[str] | None = None,
+    filters: list[str] | None = None,
 ) -> str:
-    """A distill run folder by hand: data.parquet rows in distill's schema, all kept (with a
-    `source` column when `sources` are given)."""
+    """A distill run folder by hand: data.parquet rows in distill's schema, all kept unless
+    `filters` names the filter that dropped a row (with a `source` column when `sources` are
+    given)."""
     folder.mkdir(parents=True)
     table = [
         {
@@ -91,7 +95,7 @@ def write_distilled(
             "output_ids": o,
             "output": "",
             "finish_reason": "length",
-            "filter": "",
+            "filter": "" if filters is None else filters[i],
         }
         for i, (p, o) in enumerate(rows)
     ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import VOCAB, tiny_llama
@@ -106,6 +107,20 @@ def test_collect_writes_labels_with_the_documented_shape(setup, tmp_path: Path) 
     # ssm-0 has the LLM's own weights (save_llama seeds identically): its greedy chain is the LLM's.
     assert (chains[:, 0] == torch.tensor(DEPTHS)).all()
     assert (match[:, 1] < match[:, 0]).any()  # the one-layer SSM does worse
+
+
+def test_outputs_distillation_dropped_are_labelled_too(setup, tmp_path: Path) -> None:
+    """The filters keep degenerate outputs out of the SSMs' training, but the decoder meets them:
+    every distilled output is labelled, the dropped ones included (a row the filters dropped as
+    repetition gets its rows of labels like the kept ones)."""
+    llm, ssms, distilled = setup
+    table = pq.read_table(Path(distilled) / "data.parquet").to_pylist()
+    rows = [(row["prompt_ids"], row["output_ids"]) for row in table]
+    filters = ["repetition" if i % 2 else "" for i in range(len(rows))]
+    dropped = write_distilled(tmp_path / "with-dropped", rows, filters=filters)
+    config = PredictorDataConfig(llm, (ssms[1],), dropped, depths=DEPTHS, stride=1, shard_size=2)
+    collect(config, tmp_path / "labels")
+    assert set(load_labels(tmp_path / "labels")["id"]) == set(range(len(rows)))
 
 
 def test_collect_resumes_after_a_kill_without_loss_or_duplicates(
