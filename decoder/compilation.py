@@ -110,8 +110,7 @@ class ModelCalls:
             return
         if isinstance(speculator, RoutedScheduler):
             longest = 1 + int(speculator.router.depths.max())
-            verify = {node_bucket(n) for n in range(1, longest + 1)}
-            self.get(llm).expected.update(PassShape(n, n, True) for n in verify if n <= COMPILED_MAX_NODES)
+            self.get(llm).expected.update(verify_passes(longest, hidden=True))
             self.get(llm).expected.add(PassShape(1, 1, False))  # a plain step while the gate is off (5.4)
             for model in speculator.models:
                 self.get(model).expected.update({*catch_up_passes(), PassShape(1, 1, False)})
@@ -132,25 +131,20 @@ class ModelCalls:
             largest = 1 + merged * width * depth
         else:
             return
-        self.expect_pool(llm, speculator, beams, largest)
-
-    def expect_pool(
-        self,
-        llm: PreTrainedModel,
-        speculator: PoolSpeculator | LearnedScheduler,
-        beams: set[tuple[int, int]],
-        largest: int,
-    ) -> None:
-        """The LLM verifies trees of 1..`largest` nodes; each drafting unit catches up and drafts
-        any of `beams` (b, d) per SSM, or nothing."""
-        verify = {node_bucket(size) for size in range(1, largest + 1)}
-        self.get(llm).expected.update(
-            PassShape(n, n, speculator.wants_hidden) for n in verify if n <= COMPILED_MAX_NODES
-        )
+        # The LLM verifies trees of 1..largest nodes; each drafting unit catches up and drafts any
+        # of `beams` (b, d) per SSM, or nothing.
+        self.get(llm).expected.update(verify_passes(largest, speculator.wants_hidden))
         for unit in speculator.drafter.units:
             call = self.get(unit.model)
             call.expected.update(catch_up_passes())
             call.expected.update(level_passes(beams, len(unit.rows)))
+
+
+def verify_passes(largest: int, hidden: bool) -> set[PassShape]:
+    """The LLM's passes over trees of 1..`largest` nodes (padded to their buckets; larger ones run
+    eagerly), returning hidden states or not."""
+    sizes = {node_bucket(n) for n in range(1, largest + 1)}
+    return {PassShape(n, n, hidden) for n in sizes if n <= COMPILED_MAX_NODES}
 
 
 def pool_beam(shape: DraftShape) -> tuple[int, int] | None:
