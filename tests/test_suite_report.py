@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from specboost.decoder.bench.diversity import summarise_matches, walk_steps
+from specboost.decoder.bench.diversity import summarise_matches, walk_steps, walks_at
 from specboost.decoder.bench.markdown import (
     HEADLINE_MARKERS,
     RESULTS_MARKERS,
@@ -612,6 +612,20 @@ def test_the_hindsight_walk_and_the_match_matrix_on_known_matches(tmp_path: Path
     assert diversity.union_tokens_per_step == pytest.approx({"stories": 3.0, "math": 2.0, "all": 8 / 3})
     assert diversity.union_gain == pytest.approx({"stories": 2.0, "math": 1.0, "all": (8 / 3) / (8 / 5)})
 
+    # Uncapped runs (SSM 0's first is 3), and a reference SSM's after the members: at L = 2 the
+    # walks above; the reference's chain takes 3 steps on stories and 1 on math: 8 / 4 tokens/step.
+    runs = {
+        "stories": [np.array([[3, 0, 0, 0, 0, 0], [0, 0, 0, 2, 1, 0], [1, 1, 1, 1, 1, 0]])],
+        "math": [np.array([[1, 0], [0, 0], [1, 0]])],
+    }
+    walks = walks_at(runs, members=2, length=2, reference=True)
+    assert walks["best_member"] == 0 and walks["best"] == pytest.approx(8 / 5)
+    assert walks["union"] == pytest.approx(8 / 3) and walks["reference"] == pytest.approx(2.0)
+    assert walks["gain"] == pytest.approx(diversity.union_gain)
+    longer = walks_at(runs, members=2, length=3, reference=False)  # SSM 0 on stories: 0 -> 4 -> 5 -> 6
+    assert longer["best"] == pytest.approx(8 / 4) and "reference" not in longer
+    diversity = replace(diversity, by_length={2: walks})
+
     report = suite_report(tmp_path, cell_runs())
     report.results["diversity"] = {"greedy pool": asdict(diversity)}
     SuiteConfig(fixture="tiny").write(report, tmp_path / "out")
@@ -627,6 +641,9 @@ def test_the_hindsight_walk_and_the_match_matrix_on_known_matches(tmp_path: Path
         "| SSM 1 alone | 1.50 | 1.00 | 1.33 |",
         "| union (best member per step) | 3.00 | 2.00 | 2.67 |",
         "| union / best single | 2.00x | 1.00x | 1.67x |",
+        "| L | best member | union | union / best | union / best, stories | union / best, math | generalist "
+        "| union / generalist |",
+        "| 2 | SSM 0 1.60 | 2.67 | 1.67x | 2.00x | 1.00x | 2.00 | 1.33x |",
     ):
         assert f"\n{line}\n" in section
     assert "## Pool diversity" not in markdown_report(suite_report(tmp_path, cell_runs()))  # none measured

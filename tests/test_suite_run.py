@@ -288,7 +288,7 @@ def test_an_ssm_that_is_the_llm_matches_as_far_as_a_chain_can(models: tuple[Path
         kept[id(batch)] = (batch, loaded.rows(new[:, batch.input_ids.shape[1] :]))
     outputs = greedy_outputs(kept.values(), {"stories": batches[:1], "qa": batches[1:], "math": []})
     chain = 3
-    diversity = pool_diversity([loaded.ssms[0], loaded.llm], outputs, chain)
+    diversity = pool_diversity([loaded.ssms[0], loaded.llm], outputs, chain, [chain, 5], loaded.llm)
     lengths = {category: len(pairs[0][1]) for category, pairs in outputs.items() if pairs}
     assert list(diversity.positions) == ["stories", "qa", "all"]
     for category, n in lengths.items():
@@ -301,6 +301,16 @@ def test_an_ssm_that_is_the_llm_matches_as_far_as_a_chain_can(models: tuple[Path
     for column in diversity.positions:
         assert diversity.union_tokens_per_step[column] == diversity.tokens_per_step[column][1]
         assert diversity.union_gain[column] == 1.0
+    for length, walks in diversity.by_length.items():  # the LLM is the best member and the reference
+        steps = sum(math.ceil(n / (length + 1)) for n in lengths.values())
+        assert (
+            walks["best"]
+            == walks["union"]
+            == walks["reference"]
+            == pytest.approx(sum(lengths.values()) / steps)
+        )
+        assert walks["best_member"] == 1 and set(walks["gain"].values()) == {1.0}
+    assert list(diversity.by_length) == [chain, 5]
 
 
 def test_the_llm_is_at_no_distance_from_itself(models: tuple[Path, Path]) -> None:

@@ -17,12 +17,18 @@ what the `learned+oracle` row routes on). Runs near the output's end are cut by 
   hindsight at every step: the union. Taking the farthest step is also the fewest steps, since
   from a later position no member reaches less far. The union's gain is its tokens/step over the
   best single member's in the same column.
+
+A chain of L caps every step at L + 1 tokens, so where the members' chains of the fixed shape
+already match most of their tokens the union has little room over the best member however
+differently they match further on. The learned scheduler routes chains of up to the predictor's
+longest depth: the union and the best member are walked at each such length too (`by_length`),
+beside a reference SSM's chain alone (the generalist's, where the suite has one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -47,14 +53,15 @@ class Diversity:
     tokens_per_step: dict[str, list[float]]  # column -> per SSM: the walk with that SSM alone
     union_tokens_per_step: dict[str, float]  # column -> the walk with the best member at every step
     union_gain: dict[str, float]  # column -> union / the best single member's tokens/step
+    by_length: dict[int, dict] = field(default_factory=dict)  # L -> `walks_at` over every output
 
 
-def capped_matches(ssms: Sequence[PreTrainedModel], output: Output, chain_length: int) -> np.ndarray:
-    """[S, n]: each SSM's match m_i(j) at the n new-token positions of `output`."""
+def match_runs(models: Sequence[PreTrainedModel], output: Output) -> np.ndarray:
+    """[S, n]: each model's run of correct argmaxes at the n new-token positions of `output` (cut by
+    the output's end)."""
     prompt, new = output
-    reference = torch.tensor(prompt + new, device=ssms[0].device)
-    runs = agreement_runs(list(ssms), reference)
-    return np.minimum(runs[:, len(prompt) - 1 : len(prompt) - 1 + len(new)], chain_length)
+    reference = torch.tensor(prompt + new, device=models[0].device)
+    return agreement_runs(list(models), reference)[:, len(prompt) - 1 : len(prompt) - 1 + len(new)]
 
 
 def walk_steps(matches: np.ndarray) -> int:
@@ -67,17 +74,47 @@ def walk_steps(matches: np.ndarray) -> int:
 
 
 def pool_diversity(
-    ssms: Sequence[PreTrainedModel], outputs: Mapping[str, Sequence[Output]], chain_length: int
+    ssms: Sequence[PreTrainedModel],
+    outputs: Mapping[str, Sequence[Output]],
+    chain_length: int,
+    lengths: Sequence[int] = (),
+    reference: PreTrainedModel | None = None,
 ) -> Diversity:
     """The pool's `Diversity` on the greedy `outputs` of each category (categories without one are
-    left out)."""
-    return summarise_matches(
-        {
-            category: [capped_matches(ssms, output, chain_length) for output in pairs]
-            for category, pairs in outputs.items()
-        },
-        chain_length,
-    )
+    left out) at `chain_length`, and its walks at each of `lengths` (`walks_at`), `reference`'s
+    chain alone beside them where given. One teacher-forced pass per model and output."""
+    models = [*ssms, *([] if reference is None else [reference])]
+    runs = {category: [match_runs(models, output) for output in pairs] for category, pairs in outputs.items()}
+    members = len(ssms)
+    base = summarise_matches(_capped(runs, range(members), chain_length), chain_length)
+    by_length = {
+        length: walks_at(runs, members, length, reference is not None) for length in sorted(set(lengths))
+    }
+    return replace(base, by_length=by_length)
+
+
+def walks_at(runs: Mapping[str, Sequence[np.ndarray]], members: int, length: int, reference: bool) -> dict:
+    """The walks with chains of `length` over every output: the best single member (`best_member`,
+    its tokens/step `best`), the union (`union`), union / best per column (`gain`), and with
+    `reference` (the row after the members in `runs`) its chain alone (`reference`)."""
+    pool = summarise_matches(_capped(runs, range(members), length), length)
+    alone = pool.tokens_per_step[ALL]
+    walks = {
+        "best_member": int(np.argmax(alone)),
+        "best": max(alone),
+        "union": pool.union_tokens_per_step[ALL],
+        "gain": pool.union_gain,
+    }
+    if reference:
+        walks["reference"] = summarise_matches(_capped(runs, [members], length), length).tokens_per_step[ALL][
+            0
+        ]
+    return walks
+
+
+def _capped(runs: Mapping[str, Sequence[np.ndarray]], rows: Sequence[int], length: int) -> dict:
+    """The matches of chains of `length`: the runs of `rows`, capped at it."""
+    return {category: [np.minimum(r[list(rows)], length) for r in rs] for category, rs in runs.items()}
 
 
 def summarise_matches(per_category: Mapping[str, Sequence[np.ndarray]], chain_length: int) -> Diversity:

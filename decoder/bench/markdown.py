@@ -55,6 +55,12 @@ DIVERSITY_TEXT = (
     "over the best single member's in that column (decoder/bench/diversity.py)."
 )
 
+LENGTHS_TEXT = (
+    "The same walks with chains of each length L the learned scheduler routes (its predictor's "
+    "depths from the fixed shape's up), over every output: a chain of L emits at most L + 1 tokens, "
+    "so at a short L members that match most of their drafts cannot differ by much."
+)
+
 
 def machine_line(machine: dict[str, Any]) -> str:
     gpu = f"GPU {machine['gpu']}" if "gpu" in machine else "no GPU"
@@ -222,7 +228,26 @@ def diversity_markdown(diversity: dict[str, dict[str, Any]]) -> list[str]:
             "",
             grid(header, walk),
         ]
+        if pool.get("by_length"):
+            lines += ["", LENGTHS_TEXT, "", length_grid(pool["by_length"], [c for c in columns if c != ALL])]
     return lines
+
+
+def length_grid(by_length: dict, categories: list[str]) -> str:
+    """The hindsight walks at each chain length (`diversity.walks_at`, keyed by L): the best single
+    member and the union over every output, union / best per category, and the reference (the
+    generalist) where measured."""
+    reference = all("reference" in walks for walks in by_length.values())
+    header = ["L", "best member", "union", "union / best", *(f"union / best, {c}" for c in categories)]
+    header += ["generalist", "union / generalist"] if reference else []
+    rows = []
+    for length, walks in by_length.items():
+        row = [str(length), f"SSM {walks['best_member']} {walks['best']:.2f}", f"{walks['union']:.2f}"]
+        row += [f"{walks['gain'][c]:.2f}x" for c in (ALL, *categories) if c in walks["gain"]]
+        if reference:
+            row += [f"{walks['reference']:.2f}", f"{walks['union'] / walks['reference']:.2f}x"]
+        rows.append(row)
+    return grid(header, rows)
 
 
 def actions_line(row: MethodRow) -> str:

@@ -30,7 +30,9 @@ Sampled rows run on the pool for sampling when there is one (the fixture's, or `
 greedy rows on the pool; per sampled cell group the report gives each SSM's measured total
 variation to the LLM (`ssm_tv`). After the tables, untimed, each pool's diversity on plain greedy
 decoding's outputs (`diversity`, decoder/bench/diversity.py): every SSM's mean match per category
-and the hindsight union's tokens/step against the best single member's.
+and the hindsight union's tokens/step against the best single member's, at the fixed shape's chain
+length and at each longer depth of the pool's predictor (the learned scheduler's chains), the
+generalist's chain alone beside the greedy pool's.
 """
 
 from __future__ import annotations
@@ -268,8 +270,8 @@ class SuiteConfig(Protocol):
             low_precision = self.dtype in ("bfloat16", "float16") and not decoding.do_sample
             return models.reference_rows(batches, self.max_new_tokens) if low_precision else None
 
-        both = {"sampling pool": samplers.ssms, "greedy pool": models.ssms}
-        pools = {"pool": models.ssms} if sampled is None else both  # measured_tv, diversity: each's SSMs
+        both = {"sampling pool": samplers, "greedy pool": models}
+        pools = {"pool": models} if sampled is None else both  # measured_tv, diversity: each's SSMs
         plain_rows: dict[tuple[Decoding, int], dict] = {}  # plain decoding's outputs, per item
 
         def diversity(size: int, kept: dict) -> dict[str, Any]:
@@ -279,15 +281,26 @@ class SuiteConfig(Protocol):
             outputs = greedy_outputs(kept.values(), batches)
             if not any(outputs.values()):
                 return {}
+            chain = self.shapes.chain_length
             return {
-                name: asdict(pool_diversity(ssms, outputs, self.shapes.chain_length))
-                for name, ssms in pools.items()
+                name: asdict(
+                    pool_diversity(
+                        pool.ssms,
+                        outputs,
+                        chain,
+                        [d for d in router_depths(pool) if d >= chain],
+                        generalists.ssms[0] if generalists is not None and pool is models else None,
+                    )
+                )
+                for name, pool in pools.items()
             }
 
         def results(report: Report) -> dict[str, Any]:
             out = {
                 "ssm_tv": {
-                    f"{decoding.name}, batch {size}": measured_tv(models.llm, pools, decoding, kept.values())
+                    f"{decoding.name}, batch {size}": measured_tv(
+                        models.llm, {name: pool.ssms for name, pool in pools.items()}, decoding, kept.values()
+                    )
                     for (decoding, size), kept in plain_rows.items()
                     if decoding.do_sample
                 }
@@ -503,6 +516,13 @@ def oracle_method(models: Models, indices: list[int], max_new: int, decoding: De
     description = "the learned scheduler's rule on the true match lengths (hindsight oracle)"
     method = decoder_method("learned+oracle", description, models, decoder, indices, max_new, decoding)
     return replace(method, warm_every_item=True)
+
+
+def router_depths(models: Models) -> tuple[int, ...]:
+    """The chain lengths the learned scheduler can route on `models`' pool: its predictor's depths
+    (none without a predictor)."""
+    predictor = None if models.pool is None else models.pool.predictor
+    return () if predictor is None else tuple(predictor.config.depths)
 
 
 def _with_predictor(models: Models, make: Any) -> Method:
