@@ -106,9 +106,8 @@ def walks_at(runs: Mapping[str, Sequence[np.ndarray]], members: int, length: int
         "gain": pool.union_gain,
     }
     if reference:
-        walks["reference"] = summarise_matches(_capped(runs, [members], length), length).tokens_per_step[ALL][
-            0
-        ]
+        walk = summarise_matches(_capped(runs, [members], length), length).tokens_per_step[ALL]
+        walks["reference"] = walk[0]
     return walks
 
 
