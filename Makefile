@@ -170,7 +170,8 @@ predictor-data: $(STAMP)
 predictor: $(STAMP)
 	$(BIN)/python -m specboost.training.train_predictor --labels $(PREDICTOR_DATA) --out $(SCHED_POOL)/predictor
 
-# Verify / speculation latencies of this machine, eager and compiled, into SCHED_POOL/hardware_profile.json.
+# Verify / speculation latencies of this machine, eager and compiled, greedy and sampled chains, into
+# SCHED_POOL/hardware_profile.json.
 profile: $(STAMP)
 	$(BIN)/specboost profile --llm $(SCHED_LLM) --ssm $(SCHED_POOL)/ssm-* --out $(SCHED_POOL)/hardware_profile.json --threads 1 --compile
 

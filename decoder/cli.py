@@ -319,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure the learned scheduler's chain costs on the compiled loop (compiles its "
         "passes: minutes on a CPU); a compiled decoder then takes those",
     )
+    prof.add_argument(
+        "--greedy-only",
+        action="store_true",
+        help="skip the sampled chains' drafting tables (for a pool that only decodes greedily: the "
+        "chain runs take about half the time); sampled decoding then prices its chains as greedy ones",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -586,7 +592,12 @@ def profile_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = load_models(args.llm, args.ssms, args.tokenizer, args.dtype, args.device)
-    config = ProfileConfig(prefix_length=args.prefix_length, repeats=args.repeats, compile=args.compile)
+    config = ProfileConfig(
+        prefix_length=args.prefix_length,
+        repeats=args.repeats,
+        compile=args.compile,
+        sampled=not args.greedy_only,
+    )
     cost = profile(models.llm, models.ssms, config)
     save_cost_model(cost, args.out)
     sizes = ", ".join(

@@ -10,7 +10,9 @@ does (the root kept); L_speculate(b, d) is `PoolDrafter.draft_one` of a beam tre
 drafting step is each SSM's `BatchedChainDrafter.draft_greedy` of a d-token chain in every row (a
 one-token catch-up first) followed by the LLM's pass over those chains, each part timed, so that
 each part pays for the other's passes having pushed its weights out of the CPU's caches, as it does
-in the loop; a plain step is the LLM's one-node pass after another one. Each number is the median
+in the loop; a plain step is the LLM's one-node pass after another one. With `sampled`, each SSM
+also drafts sampled chains (`BatchedChainDrafter.draft` at temperature SAMPLED_TEMPERATURE, the
+tokens read back as sampled decoding reads them) in the same steps. Each number is the median
 of `repeats` timed runs, each after `ProfileConfig.settle` untimed runs of itself (the steps before
 it in a stretch of that action); CUDA is synchronised around every timed part.
 """
@@ -18,6 +20,7 @@ it in a stretch of that action); CUDA is synchronised around every timed part.
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +42,8 @@ from specboost.speculator.shapes import BeamShape, ChainShape
 from specboost.speculator.tree import ChainDraft, TokenTree, TreeBatch
 
 COMPILED = "compiled "  # the names of the compiled runs start with it
+SAMPLED = "sampled "  # the names of the sampled chains' drafting runs start with it
+SAMPLED_TEMPERATURE = 0.8  # a temperature warper, as sampled requests usually have
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class ProfileConfig:
     verify_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)  # rows of the chain tables (section 5.3)
     compile: bool = False  # also the chain tables on the compiled loop (compiles their passes)
+    sampled: bool = True  # also the sampled chains' drafting tables
     prefix_length: int = 64
     repeats: int = 5
     settle: int = 8  # untimed runs of a shape before each timed one (see `_interleaved_medians`)
@@ -173,6 +179,11 @@ def profile(
     if config.compile:
         calls = ModelCalls(device, enabled=True)
         segmented += chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
+    drafting = [  # the drafting tables measured: (CostModel field, run names' tag)
+        (f"{compiled}{sampled}chain_seconds".replace(" ", "_"), compiled + sampled)
+        for compiled in ("", *([COMPILED] if config.compile else []))
+        for sampled in ("", *([SAMPLED] if config.sampled else []))
+    ]
     seconds = _interleaved_medians(segmented, config.repeats, config.settle, show_progress)
     verify_seconds = [seconds[f"verify {size}"] for size in sizes]
     steps = [seconds[f"ssm {i} step"] for i in range(len(ssms))]
@@ -193,19 +204,10 @@ def profile(
         batch_sizes=batch_sizes,
         chain_nodes=config.chain_nodes,
         chain_depths=list(config.depths),
-        chain_seconds=chain_table(seconds, len(ssms), batch_sizes, config.depths),
         chain_verify_seconds=verify_table(seconds, batch_sizes, config.chain_nodes),
-        **(
-            {
-                "compiled_chain_seconds": chain_table(
-                    seconds, len(ssms), batch_sizes, config.depths, COMPILED
-                ),
-                "compiled_chain_verify_seconds": verify_table(
-                    seconds, batch_sizes, config.chain_nodes, COMPILED
-                ),
-            }
-            if config.compile
-            else {}
+        **{name: chain_table(seconds, len(ssms), batch_sizes, config.depths, tag) for name, tag in drafting},
+        compiled_chain_verify_seconds=(
+            verify_table(seconds, batch_sizes, config.chain_nodes, COMPILED) if config.compile else []
         ),
     )
 
@@ -213,7 +215,7 @@ def profile(
 def chain_table(
     seconds: dict[str, float], ssms: int, batch_sizes: list[int], depths: tuple[int, ...], tag: str = ""
 ) -> list[list[list[float]]]:
-    """[SSM][batch][depth] of the "ssm I chain BxD" runs (`tag`: of the compiled runs)."""
+    """[SSM][batch][depth] of the "ssm I chain BxD" runs (`tag`: of the compiled or sampled runs)."""
     return [
         [[seconds[f"{tag}ssm {i} chain {b}x{d}"] for d in depths] for b in batch_sizes] for i in range(ssms)
     ]
@@ -240,11 +242,13 @@ def chain_runs(
     truncation back to the prefix ("verify Bx1"); a drafting step of SSM I, its D-token greedy
     chains in each of B rows after the prefix (its cache holding the prefix but the last token, as
     after a step: "ssm I chain BxD"), then the LLM's pass over those chains, committed and truncated
-    likewise ("verify Bx(D+1)", pooled over the SSMs). With `compiled` (a model's compiled pass),
-    on the compiled loop, the names prefixed by `tag`. The LLM's passes return the hidden states,
-    as the learned scheduler's verification does."""
+    likewise ("verify Bx(D+1)", pooled over the SSMs); with `config.sampled`, the same step with
+    sampled chains ("sampled ssm I chain BxD", its verify pooled too). With `compiled` (a model's
+    compiled pass), on the compiled loop, the names prefixed by `tag`. The LLM's passes return the
+    hidden states, as the learned scheduler's verification does."""
     runs: list[Segments] = []
     device = llm.device
+    kinds = [None, *([LogitsToProbs(SamplingConfig(True, SAMPLED_TEMPERATURE))] if config.sampled else [])]
     largest = max(config.chain_nodes)
     for rows in batch_sizes:
         target = TreeCache(llm, rows, capacity_for(len(prefix) + largest), compiled(llm))
@@ -257,10 +261,9 @@ def chain_runs(
             drafter = BatchedChainDrafter(ssm, compiled(ssm))
             drafter.add_sequences(rows)
             drafter.draft_greedy([prefix] * rows, [1] * rows)  # fill the cache: timed runs catch up one token
-            for depth in config.depths:
-                runs.append(
-                    functools.partial(_drafting_step, drafter, target, prefix, depth, (index, rows, tag))
-                )
+            for depth, probs in itertools.product(config.depths, kinds):
+                names = (index, rows, tag if probs is None else tag + SAMPLED)
+                runs.append(functools.partial(_drafting_step, drafter, target, prefix, depth, names, probs))
     return runs
 
 
@@ -270,18 +273,24 @@ def _drafting_step(
     prefix: list[int],
     depth: int,
     names: tuple[int, int, str],
+    probs: LogitsToProbs | None = None,
 ) -> dict[str, float]:
-    """One drafting step of the loop: `drafter`'s greedy chains of `depth` tokens in every row, then
-    the LLM's pass over them, each timed."""
+    """One drafting step of the loop: `drafter`'s chains of `depth` tokens in every row (greedy, or
+    sampled with `probs` and read back), then the LLM's pass over them, each timed."""
     index, rows, tag = names
     start = _clock(target.device)
-    chains, lengths = drafter.draft_greedy([prefix] * rows, [depth] * rows)
+    if probs is None:
+        chains, lengths = drafter.draft_greedy([prefix] * rows, [depth] * rows)
+    else:
+        drafted = drafter.draft([prefix] * rows, [depth] * rows, [probs] * rows, [None] * rows)
+        chains = torch.tensor([[token for token, _ in chain] for chain in drafted], device=target.device)
+        lengths = [len(chain) for chain in drafted]
     middle = _clock(target.device)
     _verify_chains(target, ChainDraft([prefix[-1]] * rows, chains, lengths, index).batch(), len(prefix))
     end = _clock(target.device)
     return {
         f"{tag}ssm {index} chain {rows}x{depth}": middle - start,
-        f"{tag}verify {rows}x{depth + 1}": end - middle,
+        f"{tag.removesuffix(SAMPLED)}verify {rows}x{depth + 1}": end - middle,
     }
 
 

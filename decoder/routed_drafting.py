@@ -94,7 +94,7 @@ class RoutedDrafting:
             return self._plain_step(rows, greedy)
         hidden = [row.hidden for row in rows]
         behind = functools.partial(self.chains.behind, texts)
-        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind)
+        plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind, not greedy)
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
         for b, record in enumerate(self.records):
             record.decided(plan.action(b), seconds)

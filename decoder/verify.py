@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 
 from specboost.decoder.multi_draft import best_plan, residual
-from specboost.speculator.sampling import LogitsToProbs
+from specboost.speculator.sampling import LogitsToProbs, draw
 from specboost.speculator.tree import DraftKind, Proposal, TokenTree
 
 
@@ -103,7 +103,9 @@ def verify_greedy(tree: TokenTree, scores: torch.Tensor, **_) -> Verdict:
 
 
 def verify_target(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
-    """Sample y ~ p and accept the child equal to y; lossless for any tree."""
+    """Sample y ~ p and accept the child equal to y; lossless for any tree. Drawn as `generate`
+    draws (`torch.multinomial`), so that a seeded sequence decoded plainly reproduces it token for
+    token; the other rules' own tokens (a residual's) come from the faster `sampling.draw`."""
     return walk(tree, lambda node: int(torch.multinomial(p[node], 1, generator=generator)))
 
 
@@ -141,7 +143,7 @@ def verify_mss(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | No
                 break
             r = residual(r, prop.q)
         if chosen is None:
-            return Verdict(accepted, int(torch.multinomial(r, 1, generator=generator)))
+            return Verdict(accepted, int(draw(r, 1, generator)[0]))
         accepted.append(chosen)
         node = chosen
 
@@ -162,7 +164,7 @@ def verify_k_sequential(
                 chosen = child
                 break
         if chosen is None:
-            return Verdict(accepted, int(torch.multinomial(plan.residual, 1, generator=generator)))
+            return Verdict(accepted, int(draw(plan.residual, 1, generator)[0]))
         accepted.append(chosen)
         node = chosen
 
@@ -191,7 +193,7 @@ def verify_without_replacement(
                 d = (~rejected).to(r.dtype)
             d = _normalize(d)
         if chosen is None:
-            return Verdict(accepted, int(torch.multinomial(r, 1, generator=generator)))
+            return Verdict(accepted, int(draw(r, 1, generator)[0]))
         accepted.append(chosen)
         node = chosen
 

@@ -14,7 +14,8 @@ e_b = max_{i in U} f[b, i, d]; the score is
     score(d, U) = (B + sum_b e_b) / (v L_verify(B, 1 + d) + g sum_{i in U} L_chain(i, n_i, d))
 
 with n_i the rows routed to SSM i, L_verify and L_chain the profile's chain tables at this batch
-size (`CostModel.chain_verify_time`, `chain_draft_table`) and v, g the online cost corrections of
+size (`CostModel.chain_verify_time`, `chain_draft_table`: its sampled chains' table when the rows
+draft host trees, sampled or processed) and v, g the online cost corrections of
 drafting steps (section 5.2); on the compiled loop an SSM with a row further behind than one
 compiled catch-up pass takes also pays its eager pass's extra time, shared by the mean drafting
 stretch (`Stretches`; ALGORITHMS.md 5.3, "Catching up"). "No draft" for the whole batch scores
@@ -112,7 +113,7 @@ class ChainRouter:
         which the online correction then scales) or of the eager loop; starts the corrections
         afresh. The decoder says which loop runs."""
         self.compiled = compiled and self.cost_model.has_compiled_chain_costs
-        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._tables: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._plain: dict[int, ChainPlan] = {}
         self.forget()
 
@@ -152,20 +153,22 @@ class ChainRouter:
             return (1.0, 1.0, 1.0)
         return (*self.costs.factors, self.plain_costs.factors[0])
 
-    def _costs(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(verify [D + 1] seconds of a plain step, then of every depth; drafting [S, rows + 1, D];
-        catch-up [S]: what an SSM's drafting of these rows costs more when a row is further behind
-        than one compiled pass takes, its eager pass's cost over its compiled one's, section 5.3)."""
-        if rows not in self._tables:
+    def _costs(self, rows: int, sampled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(verify [D + 1] seconds of a plain step, then of every depth; drafting [S, rows + 1, D] of
+        greedy chains, or of `sampled` ones (host trees); catch-up [S]: what an SSM's drafting of
+        these rows costs more when a row is further behind than one compiled pass takes, its eager
+        pass's cost over its compiled one's, section 5.3)."""
+        key = (rows, sampled)
+        if key not in self._tables:
             nodes = np.concatenate([[1], 1 + self.depths])
-            draft = self.cost_model.chain_draft_table(rows, self.compiled)
-            eager = self.cost_model.chain_draft_table(rows, False) if self.compiled else draft
-            self._tables[rows] = (
+            draft = self.cost_model.chain_draft_table(rows, self.compiled, sampled)
+            eager = self.cost_model.chain_draft_table(rows, False, sampled) if self.compiled else draft
+            self._tables[key] = (
                 self.cost_model.chain_verify_time(rows, nodes, self.compiled),
                 draft,
                 np.maximum(eager[:, rows, 0] - draft[:, rows, 0], 0.0),
             )
-        return self._tables[rows]
+        return self._tables[key]
 
     def predict(self, hidden: list[torch.Tensor | None], texts: list[list[int]] | None = None) -> np.ndarray:
         """[B, S, D] the predictor's width-1 match estimates; 0 for a row without a hidden state (a
@@ -196,11 +199,14 @@ class ChainRouter:
         pacing: DecisionPacing | None = None,
         texts: list[list[int]] | None = None,
         behind: Callable[[], np.ndarray] | None = None,
+        sampled: bool = False,
     ) -> ChainPlan:
         """The step's routing for rows with these hidden states (and texts) and tokens still
         wanted; with `pacing` (the group's), a plain step without deciding when it says so.
         `behind()` [B, S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
-        one each, as after a step it drafted); asked only where a catch-up can cost more."""
+        one each, as after a step it drafted); asked only where a catch-up can cost more.
+        `sampled`: the rows draft host trees (sampled or processed chains), priced by their own
+        table."""
         self._setups = setup_count()
         if pacing is not None and not pacing.due():
             return self.plain(max_depths)
@@ -209,18 +215,24 @@ class ChainRouter:
         scale = 1.0 if self.calibration is None else self.calibration.depth  # [S, D]
         cap = np.asarray(max_depths, dtype=np.float64)
         f = np.minimum(raw * scale, cap[:, None, None])  # [B, S, D]
-        late = None if behind is None or not self._costs(len(hidden))[2].any() else behind()
-        plan = self.choose(f, raw, cap, late)
+        late = None if behind is None or not self._costs(len(hidden), sampled)[2].any() else behind()
+        plan = self.choose(f, raw, cap, late, sampled)
         if pacing is not None:
             pacing.decided(plan.depth_index < 0)
         return plan
 
     def choose(
-        self, f: np.ndarray, raw: np.ndarray, cap: np.ndarray, behind: np.ndarray | None = None
+        self,
+        f: np.ndarray,
+        raw: np.ndarray,
+        cap: np.ndarray,
+        behind: np.ndarray | None = None,
+        sampled: bool = False,
     ) -> ChainPlan:
-        """The rule (module doc) on corrected estimates `f` [B, S, D], rows `behind` [B, S]."""
+        """The rule (module doc) on corrected estimates `f` [B, S, D], rows `behind` [B, S],
+        drafting `sampled` chains or greedy ones."""
         rows = f.shape[0]
-        verify, draft, catch_up = self._costs(rows)
+        verify, draft, catch_up = self._costs(rows, sampled)
         v, g, v_plain = self.cost_factors
         verify_s = verify * v
         verify_s[0] = verify[0] * v_plain

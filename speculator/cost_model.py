@@ -15,7 +15,10 @@ included), `chain_draft_time(ssm, rows, d)` one SSM's `BatchedChainDrafter` draf
 tokens for `rows` rows (a catch-up pass of one token, then a pass per further token). Both are
 piecewise-linear between the measured sizes and extended linearly past the largest. A profile
 measured with `--compile` holds them on the compiled loop too, where their ratios differ (a
-compiled one-token pass is cheaper next to a longer one than an eager one is).
+compiled one-token pass is cheaper next to a longer one than an eager one is). The sampled chain
+tables hold the same drafting as sampled decoding drafts it (a draw from q at every position, the
+chains read back as host trees): `chain_draft_table(..., sampled=True)`; a profile without them
+prices sampled drafting as greedy drafting, and the online correction finds the difference.
 
 A profile file (`hardware_profile.json`, in the pool folder) maps a device key such as
 "cpu: AMD EPYC 7B13 (1 threads)|float32" to one `CostModel`. Latencies measured on one machine
@@ -80,14 +83,19 @@ class CostModel:
     # The same tables on the compiled loop (`specboost profile --compile`); empty: not measured.
     compiled_chain_verify_seconds: list[list[float]] = field(default_factory=list)
     compiled_chain_seconds: list[list[list[float]]] = field(default_factory=list)
+    # Sampled chains drafted, [SSM][batch][depth], eager and compiled; empty: not measured.
+    sampled_chain_seconds: list[list[list[float]]] = field(default_factory=list)
+    compiled_sampled_chain_seconds: list[list[list[float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.verify_tokens) != len(self.verify_seconds) or not self.verify_tokens:
             raise ValueError("a cost model needs verify times for at least one tree size")
         if len(self.speculate_seconds) != len(self.ssm_step_seconds):
             raise ValueError("speculate_seconds and ssm_step_seconds must have one entry per SSM")
-        if self.chain_seconds and len(self.chain_seconds) != len(self.ssm_step_seconds):
-            raise ValueError("chain_seconds must have one entry per SSM")
+        for name in ("chain_seconds", "sampled_chain_seconds", "compiled_sampled_chain_seconds"):
+            table = getattr(self, name)
+            if table and len(table) != len(self.ssm_step_seconds):
+                raise ValueError(f"{name} must have one entry per SSM")
 
     @property
     def has_chain_costs(self) -> bool:
@@ -121,13 +129,20 @@ class CostModel:
             [extrapolated(rows, self.batch_sizes, per_batch[:, j]) for j in range(per_batch.shape[1])]
         )
 
-    def chain_draft_table(self, max_rows: int, compiled: bool = False) -> np.ndarray:
+    def chain_draft_table(self, max_rows: int, compiled: bool = False, sampled: bool = False) -> np.ndarray:
         """[SSM, max_rows + 1, chain_depths] seconds of SSM i drafting chains for 0..max_rows rows
-        (0 rows: nothing drafted, 0 s), on the compiled loop when `compiled` and measured there."""
+        (0 rows: nothing drafted, 0 s), on the compiled loop when `compiled` and measured there,
+        sampled chains when `sampled` and measured (else greedy ones)."""
         rows = np.arange(1, max_rows + 1)
         table = np.zeros((self.num_ssms, max_rows + 1, len(self.chain_depths)))
-        measured = self.compiled_chain_seconds if compiled and self.has_compiled_chain_costs else None
-        for i, per_batch in enumerate(measured or self.chain_seconds):
+        compiled = compiled and self.has_compiled_chain_costs
+        measured = [
+            *([self.compiled_sampled_chain_seconds] if compiled and sampled else []),
+            *([self.compiled_chain_seconds] if compiled else []),
+            *([self.sampled_chain_seconds] if sampled else []),
+            self.chain_seconds,
+        ]
+        for i, per_batch in enumerate(next(t for t in measured if t)):
             per_batch = np.asarray(per_batch, float)  # [batch, depth]
             per_batch = np.stack([nondecreasing(y) for y in per_batch])
             for j in range(per_batch.shape[1]):

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from specboost.speculator.sampling import LogitsToProbs
+from specboost.speculator.sampling import LogitsToProbs, draw
 from specboost.speculator.shapes import BeamShape, ChainShape, DraftShape, TopologyShape
 from specboost.speculator.tree import TokenTree
 
@@ -62,7 +62,9 @@ def choose_children(
         )
         return tokens.tolist(), None, q[tokens].tolist()
     k = min(k, int((q > 0).sum()))
-    tokens = torch.multinomial(q, k, replacement=False, generator=generator)
+    tokens = (
+        draw(q, 1, generator) if k == 1 else torch.multinomial(q, k, replacement=False, generator=generator)
+    )
     return tokens.tolist(), q, q[tokens].tolist()
 
 
@@ -95,7 +97,7 @@ class ChainPlan:
                 tokens, q, ps = choose_children(node_scores, 1, do_sample, self.generator)
             else:  # independent draws, with replacement, one per chain through this node
                 q = torch.softmax(node_scores, dim=-1)
-                drawn = torch.multinomial(q, len(chains), replacement=True, generator=self.generator)
+                drawn = draw(q, len(chains), self.generator)
                 tokens, ps = drawn.tolist(), q[drawn].tolist()
             for j, token, p in zip(chains, tokens, ps, strict=True):
                 self.ends[j] = self.tree.add_child(node, token, self.ssm, q, p, draw=j)

@@ -179,11 +179,14 @@ class RoutedScheduler:
         start = time.perf_counter()
         texts = [request.verified]
         behind = functools.partial(self.chains.behind, texts)
-        self._plan = self.router.plan([request.hidden], [request.max_depth], self.pacing, texts, behind)
+        probs = request.probs
+        trees = bool(probs.config.do_sample or probs.processors)  # else greedy chains on the device
+        self._plan = self.router.plan(
+            [request.hidden], [request.max_depth], self.pacing, texts, behind, trees
+        )
         self.record.decided(self._plan.action(0), time.perf_counter() - start)
         start = time.perf_counter()
-        probs = request.probs
-        if probs.config.do_sample or probs.processors:
+        if trees:
             sample = probs.config.do_sample and not self._seeded
             tree = self.chains.draft_trees([request.verified], self._plan, [probs], [sample])[0]
         else:

@@ -102,6 +102,20 @@ class SamplingConfig:
         return warpers
 
 
+def draw(q: torch.Tensor, samples: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`samples` independent draws (with replacement) from each row of the distribution q [..., V]:
+    [..., samples] token ids, by inverting q's cumulative sum at uniform numbers. A draft's tokens
+    only need to follow the q it is verified with (MSS, ALGORITHMS.md section 2), not any particular
+    stream of random numbers; `torch.multinomial` draws an exponential number per token of the
+    vocabulary, 0.12 ms of a 4096-token vocabulary on a 2-core EPYC, against 0.02 ms here: a third
+    of the time a sampled chain of the tiny fixture's SSM took over its greedy chain. u is uniform
+    in [0, 1), so (1 - u) x total lies in (0, total], and the first index whose cumulative sum
+    reaches it is never a token of probability 0."""
+    cdf = q.cumsum(-1)
+    u = torch.rand((*q.shape[:-1], samples), generator=generator, device=q.device, dtype=cdf.dtype)
+    return torch.searchsorted(cdf, (1 - u) * cdf[..., -1:])
+
+
 class LogitsToProbs:
     """Turns raw logits into processed scores and the distribution tokens are drawn from (P for the
     LLM, Q for the SSMs).
@@ -154,18 +168,6 @@ class LogitsToProbs:
             return self(logits.flatten(0, 1)).view(logits.shape)
         steps = [self(logits[:, t], ids[:, : start + t]) for t in range(logits.shape[1])]
         return torch.stack(steps, 1) if steps else torch.zeros(logits.shape, device=logits.device)
-
-    def choose(
-        self,
-        logits: torch.Tensor,
-        generator: torch.Generator | None,
-        histories: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[N, V] -> [N] tokens: argmax when greedy, else one sample from the processed distribution."""
-        scores = self.scores(logits, histories)
-        if not self.config.do_sample:
-            return scores.argmax(dim=-1)
-        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
 
     def tree_scores(
         self,

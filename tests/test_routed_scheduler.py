@@ -338,6 +338,32 @@ def test_profile_measures_chain_tables_at_every_batch_size() -> None:
     assert np.asarray(cost.chain_seconds).shape == (2, 2, 2)
     assert min(np.asarray(cost.chain_seconds).flat) > 0
     assert cost.chain_draft_table(4).shape == (2, 5, 2) and (cost.chain_draft_table(4)[:, 0] == 0).all()
+    sampled = np.asarray(cost.sampled_chain_seconds)
+    assert sampled.shape == (2, 2, 2) and sampled.min() > 0
+    monotone = np.minimum.accumulate(sampled[..., ::-1], -1)[..., ::-1]  # `nondecreasing` in depth
+    assert cost.chain_draft_table(3, sampled=True)[:, [1, 3]] == pytest.approx(monotone)
+    greedy_only = profile(llm, ssms, ProfileConfig(**{**config.__dict__, "sampled": False}), False)
+    assert not greedy_only.sampled_chain_seconds
+    assert greedy_only.chain_draft_table(3, sampled=True) == pytest.approx(greedy_only.chain_draft_table(3))
+
+
+def test_sampled_drafting_is_priced_by_its_own_table() -> None:
+    """Rows that draft host trees (sampled chains, a draw and its q per position) cost what the
+    profile's sampled table says: where those chains cost three times the greedy ones, a step
+    that drafts a chain of 4 under greedy decoding drafts a chain of 1 under sampling; a profile
+    without the sampled table prices them as greedy chains."""
+    verify = [[1e-3, 1.2e-3, 1.5e-3], [2e-3, 2.2e-3, 2.5e-3]]
+    draft = [[[0.2e-3, 0.8e-3], [0.3e-3, 1.0e-3]]] * 2
+    cost = chain_costs(verify, draft)
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2] * 2), cost, None, None)
+    f = np.array([[[0.9, 2.5], [0.5, 1.0]]])  # greedy: x4 3.5 / 2.3 ms beats x1 1.9 / 1.4 ms
+    unpriced = router.choose(f, f, np.array([100.0]), sampled=True)
+    assert router.choose(f, f, np.array([100.0])).lengths == unpriced.lengths == [4]
+    cost.sampled_chain_seconds = [[[3 * t for t in row] for row in ssm] for ssm in draft]
+    router.costs_on_compiled_loop(False)
+    assert router.choose(f, f, np.array([100.0])).lengths == [4]
+    sampled = router.choose(f, f, np.array([100.0]), sampled=True)  # x1 1.9 / 1.8 ms, x4 3.5 / 3.9 ms
+    assert sampled.lengths == [1] and sampled.profiled[1] == pytest.approx(0.6e-3)
 
 
 def test_the_profile_times_each_part_of_a_run_after_it_settles() -> None:

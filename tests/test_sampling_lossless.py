@@ -61,6 +61,7 @@ from specboost.decoder.verify import (
     verify_target,
     verify_without_replacement,
 )
+from specboost.speculator import sampling
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.tree import DraftKind, TokenTree
 
@@ -462,6 +463,26 @@ def test_target_one_step_emits_p() -> None:
     assert gof_pvalue(counts, P) >= ALPHA
     accept_rate = float(P[torch.topk(Q, 2).indices].sum())  # y ~ p lands on a child
     assert stats.binomtest(accepted, UNIT_DRAWS, accept_rate).pvalue >= ALPHA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_drafts_are_drawn_from_q(dtype: torch.dtype) -> None:
+    """`sampling.draw`, the SSMs' draws (inverse CDF, not `torch.multinomial`), follows q, rows of
+    a batch each their own, never a token of probability 0 (the first and last tokens among them),
+    the same draws for the same generator seed; the harness rejects a draw off by one token."""
+    q = random_dist(7, vocab=9, zeros=3).to(dtype)
+    q[0] = q[-1] = 0
+    q /= q.sum()
+    rows = torch.stack([q, q.flip(0)])
+    drawn = sampling.draw(rows, UNIT_DRAWS, torch.Generator().manual_seed(0))  # [2, UNIT_DRAWS]
+    assert drawn.shape == (2, UNIT_DRAWS)
+    for row, expected in zip(drawn, rows, strict=True):
+        counts = Counter((int(token),) for token in row)
+        assert gof_pvalue(counts, expected) >= ALPHA
+        assert gof_pvalue(Counter({((t + 1) % 9,): c for (t,), c in counts.items()}), expected) < 1e-6
+    again = sampling.draw(rows, UNIT_DRAWS, torch.Generator().manual_seed(0))
+    assert torch.equal(drawn, again)
+    assert sampling.draw(q, 3).shape == (3,)
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,7 @@ def test_several_sampled_chains_per_ssm_draw_from_their_own_q(stack: bool) -> No
     assert drafter.stacked == stack
     probs = LogitsToProbs(SamplingConfig(do_sample=True, temperature=1.5))
     verified = [3, 9, 4, 1, 7]
-    generators = [torch.Generator().manual_seed(i) for i in range(len(ssms))]
+    generators = [torch.Generator().manual_seed(i + 2) for i in range(len(ssms))]
     trees = drafter.draft(verified, [ChainShape(3, samples=3)] * len(ssms), probs, 8, generators)
     assert drafter.levels == 3
     assert min(len(tree) for tree in trees) < 1 + 3 * 3  # some chains share a node (these seeds)

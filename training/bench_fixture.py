@@ -223,13 +223,14 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             Step(f"predictor{suffix}", train, boosted / "predictor" / "predictor_record.json"),
         ]
 
-    def profile(boosted: Path, models: list[str]) -> tuple[str, ...]:
+    def profile(boosted: Path, models: list[str], sampled: bool) -> tuple[str, ...]:
         """`specboost profile` of these SSMs beside the LLM, measured at the suite's thread count,
-        eager and compiled (the suite has compiled learned rows)."""
+        eager and compiled (the suite has compiled learned rows); the sampled chains' tables only
+        for the pool that serves the suite's sampled rows."""
         out = str(boosted / PROFILE_FILE)
         return (
             *_module("decoder.cli", "profile", "--llm", llm, "--ssm", *models, "--out", out),
-            *("--threads", t, "--compile"),
+            *("--threads", t, "--compile", *(() if sampled else ("--greedy-only",))),
         )
 
     def export(boosted: Path, out: Path, suffix: str = "") -> Step:
@@ -270,7 +271,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         ),
         distill(spec.predictor_prompts),
         *predictor_steps(pool, ssms, labels),
-        Step("profile", profile(pool, ssms), pool / PROFILE_FILE),
+        Step("profile", profile(pool, ssms, False), pool / PROFILE_FILE),
         Step("sequoia-acceptance", sequoia, pool / ACCEPTANCE_FILE, speed),
         export(pool, paths.export),
         Step("generalist", generalist, paths.generalist / "boost_record.json", speed),
@@ -283,7 +284,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             speed,
         ),
         *predictor_steps(sampled, sampled_ssms, paths.cache / "predictor-data-sampled", "-sampled"),
-        Step("profile-sampled", profile(sampled, sampled_ssms), sampled / PROFILE_FILE),
+        Step("profile-sampled", profile(sampled, sampled_ssms, True), sampled / PROFILE_FILE),
         export(sampled, paths.sampled_export, "-sampled"),
     ]
 
