@@ -173,7 +173,7 @@ predictor: $(STAMP)
 # Verify / speculation latencies of this machine, eager and compiled, greedy and sampled chains, into
 # SCHED_POOL/hardware_profile.json.
 profile: $(STAMP)
-	$(BIN)/specboost profile --llm $(SCHED_LLM) --ssm $(SCHED_POOL)/ssm-* --out $(SCHED_POOL)/hardware_profile.json --threads 1 --compile
+	$(BIN)/specboost profile --llm $(SCHED_LLM) --ssm $(SCHED_POOL)/ssm-* --out $(SCHED_POOL)/hardware_profile.json --threads 1 --compile --sampled
 
 # Learned scheduler vs every fixed beam shape vs the oracle, on held-out prompts (exports the pool first).
 scheduler-eval: $(STAMP)

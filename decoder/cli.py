@@ -320,10 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
         "passes: minutes on a CPU); a compiled decoder then takes those",
     )
     prof.add_argument(
-        "--greedy-only",
+        "--sampled",
         action="store_true",
-        help="skip the sampled chains' drafting tables (for a pool that only decodes greedily: the "
-        "chain runs take about half the time); sampled decoding then prices its chains as greedy ones",
+        help="also time sampled chains' drafting, which the learned scheduler then prices sampled "
+        "decoding with (for a pool that samples: the chain runs take about twice as long); without "
+        "it, sampled chains are priced as greedy ones and corrected online",
     )
 
     bench = commands.add_parser(
@@ -596,7 +597,7 @@ def profile_command(args: argparse.Namespace) -> int:
         prefix_length=args.prefix_length,
         repeats=args.repeats,
         compile=args.compile,
-        sampled=not args.greedy_only,
+        sampled=args.sampled,
     )
     cost = profile(models.llm, models.ssms, config)
     save_cost_model(cost, args.out)

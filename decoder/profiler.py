@@ -53,7 +53,7 @@ class ProfileConfig:
     verify_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)  # rows of the chain tables (section 5.3)
     compile: bool = False  # also the chain tables on the compiled loop (compiles their passes)
-    sampled: bool = True  # also the sampled chains' drafting tables
+    sampled: bool = False  # also the sampled chains' drafting tables (for a pool that samples)
     prefix_length: int = 64
     repeats: int = 5
     settle: int = 8  # untimed runs of a shape before each timed one (see `_interleaved_medians`)

@@ -332,7 +332,7 @@ def test_routed_batches_and_the_engine_equal_each_row_alone() -> None:
 def test_profile_measures_chain_tables_at_every_batch_size() -> None:
     llm, ssms = tiny_llama(layers=2, seed=0), [tiny_llama(layers=1, seed=1)] * 2
     config = ProfileConfig(WIDTHS, DEPTHS, (1, 4), prefix_length=4, repeats=1, batch_sizes=(1, 3))
-    cost = profile(llm, ssms, config, False)
+    cost = profile(llm, ssms, ProfileConfig(**{**config.__dict__, "sampled": True}), False)
     assert cost.has_chain_costs and cost.batch_sizes == [1, 3] and cost.chain_nodes == [1, 2, 5]
     assert np.asarray(cost.chain_verify_seconds).shape == (2, 3)
     assert np.asarray(cost.chain_seconds).shape == (2, 2, 2)
@@ -342,7 +342,7 @@ def test_profile_measures_chain_tables_at_every_batch_size() -> None:
     assert sampled.shape == (2, 2, 2) and sampled.min() > 0
     monotone = np.minimum.accumulate(sampled[..., ::-1], -1)[..., ::-1]  # `nondecreasing` in depth
     assert cost.chain_draft_table(3, sampled=True)[:, [1, 3]] == pytest.approx(monotone)
-    greedy_only = profile(llm, ssms, ProfileConfig(**{**config.__dict__, "sampled": False}), False)
+    greedy_only = profile(llm, ssms, config, False)  # the default: no sampled table
     assert not greedy_only.sampled_chain_seconds
     assert greedy_only.chain_draft_table(3, sampled=True) == pytest.approx(greedy_only.chain_draft_table(3))
 

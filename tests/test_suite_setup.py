@@ -96,7 +96,8 @@ def test_a_trunk_that_leaves_a_member_no_steps_is_refused(trunk_steps: int) -> N
 
 def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
     """Its hardware profile is measured on its own SSMs (as the greedy pool's), beside them, so
-    that the export ships it."""
+    that the export ships it, with the sampled chains' tables (the suite's sampled rows run on it;
+    the greedy pool's profile has none)."""
     steps = {s.name: s for s in fixture_steps("tiny", tmp_path, threads=1)}
     sampled = tmp_path / "bench-fixture" / "tiny" / "pool-sampled"
     argv = steps["profile-sampled"].argv
@@ -105,6 +106,7 @@ def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
         str(sampled / f"ssm-{i}") for i in range(3)
     ]
     assert steps["profile-sampled"].output == sampled / "hardware_profile.json"
+    assert argv[-1] == "--sampled" and "--sampled" not in steps["profile"].argv
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
@@ -425,7 +427,7 @@ RECORDED_ARGV = {
     "profile-sampled": [
         *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm"),
         *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
-        *("--out", f"{SMALL}/pool-sampled/hardware_profile.json", "--threads", "1", "--compile"),
+        *("--out", f"{SMALL}/pool-sampled/hardware_profile.json", "--threads", "1", "--compile", "--sampled"),
     ],
     "export-sampled": [
         *("specboost.training.export", "--boost", f"{SMALL}/pool-sampled"),

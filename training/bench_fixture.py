@@ -230,7 +230,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         out = str(boosted / PROFILE_FILE)
         return (
             *_module("decoder.cli", "profile", "--llm", llm, "--ssm", *models, "--out", out),
-            *("--threads", t, "--compile", *(() if sampled else ("--greedy-only",))),
+            *("--threads", t, "--compile", *(("--sampled",) if sampled else ())),
         )
 
     def export(boosted: Path, out: Path, suffix: str = "") -> Step:
