@@ -180,9 +180,14 @@ def profile(
         calls = ModelCalls(device, enabled=True)
         segmented += chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
     drafting = [  # the drafting tables measured: (CostModel field, run names' tag)
-        (f"{compiled}{sampled}chain_seconds".replace(" ", "_"), compiled + sampled)
-        for compiled in ("", *([COMPILED] if config.compile else []))
-        for sampled in ("", *([SAMPLED] if config.sampled else []))
+        (name, tag)
+        for name, tag, measured in (
+            ("chain_seconds", "", True),
+            ("compiled_chain_seconds", COMPILED, config.compile),
+            ("sampled_chain_seconds", SAMPLED, config.sampled),
+            ("compiled_sampled_chain_seconds", COMPILED + SAMPLED, config.compile and config.sampled),
+        )
+        if measured
     ]
     seconds = _interleaved_medians(segmented, config.repeats, config.settle, show_progress)
     verify_seconds = [seconds[f"verify {size}"] for size in sizes]

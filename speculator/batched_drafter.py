@@ -134,8 +134,8 @@ class BatchedChainDrafter:
         them, and read back once at the end (each row's processors read the history only where they
         need it: then the drawn tokens are read back every position). Feeding host lists and drawing
         each token on the host had cost a sampled chain 1.7x a greedy one of the same length on the
-        tiny fixture's SSM (3.1 against 1.8 ms for 4 tokens, compiled, 2-core EPYC), most of it in
-        `torch.multinomial` (see `draw`)."""
+        tiny fixture's SSM (3.2 against 1.8 ms for 4 tokens, compiled, 2-core EPYC); drawn on the
+        device it took 2.9 ms, and 2.4 ms without `torch.multinomial` (see `draw`)."""
         self._read_back()
         if sample is None:
             sample = [p.config.do_sample for p in probs]

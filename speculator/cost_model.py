@@ -42,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 PROFILE_FILE = "hardware_profile.json"
 FORMAT_VERSION = 1
+DRAFTING_TABLES = (  # `CostModel`'s [SSM][batch][depth] tables
+    "chain_seconds",
+    "compiled_chain_seconds",
+    "sampled_chain_seconds",
+    "compiled_sampled_chain_seconds",
+)
 
 
 def device_name(device: torch.device | str) -> str:
@@ -92,7 +98,7 @@ class CostModel:
             raise ValueError("a cost model needs verify times for at least one tree size")
         if len(self.speculate_seconds) != len(self.ssm_step_seconds):
             raise ValueError("speculate_seconds and ssm_step_seconds must have one entry per SSM")
-        for name in ("chain_seconds", "sampled_chain_seconds", "compiled_sampled_chain_seconds"):
+        for name in DRAFTING_TABLES:
             table = getattr(self, name)
             if table and len(table) != len(self.ssm_step_seconds):
                 raise ValueError(f"{name} must have one entry per SSM")
