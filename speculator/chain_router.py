@@ -31,7 +31,7 @@ length d) and "plain" of (1 + f_i(d)) / (L_verify(1 + d) + L_chain(i, 1, d)).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +51,7 @@ STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch len
 class ChainPlan:
     """One step's routing of a batch: per row the SSM that drafts (NO_SSM: none) and the length."""
 
-    ssm: np.ndarray  # [B] int
+    ssm: list[int]  # [B] the SSM drafting each row (NO_SSM: none)
     lengths: list[int]  # [B] tokens to draft (0: none)
     depth_index: int  # the grid depth drafted (index into the predictor's depths); -1: plain step
     predicted: np.ndarray  # [B, D] the drafting SSM's raw f at every grid depth (rows drafting)
@@ -61,7 +61,11 @@ class ChainPlan:
     def action(self, row: int) -> str:
         """Row `row`'s action, as the benchmark's action lines name it."""
         length = self.lengths[row]
-        return "plain" if length == 0 else f"SSM {int(self.ssm[row])} x{length}"
+        return "plain" if length == 0 else f"SSM {self.ssm[row]} x{length}"
+
+    def routes(self) -> list[tuple[int, list[bool]]]:
+        """Each drafting SSM, in order, with its rows (a mask over the batch)."""
+        return [(i, [s == i for s in self.ssm]) for i in sorted({s for s in self.ssm if s != NO_SSM})]
 
 
 class ChainRouter:
@@ -92,6 +96,7 @@ class ChainRouter:
                 raise ValueError(f"{name} is a momentum in [0, 1) (or None: off), got {momentum}")
         self.num_ssms = c.num_ssms
         self.depths = np.asarray(c.depths)
+        self._depths = list(c.depths)
         self.predictor = predictor
         self._predict = predictor.compiled()
         self._predict_on_host = predictor.on_host(1)
@@ -114,6 +119,7 @@ class ChainRouter:
         afresh. The decoder says which loop runs."""
         self.compiled = compiled and self.cost_model.has_compiled_chain_costs
         self._tables: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._one: dict[bool, tuple[list[float], list[list[float]], list[float]]] = {}
         self._plain: dict[int, ChainPlan] = {}
         self.forget()
 
@@ -170,6 +176,13 @@ class ChainRouter:
             )
         return self._tables[key]
 
+    def _costs_one(self, sampled: bool) -> tuple[list[float], list[list[float]], list[float]]:
+        """`_costs` of one row, as lists: verify [D + 1], drafting [S][D], catch-up [S]."""
+        if sampled not in self._one:
+            verify, draft, catch_up = self._costs(1, sampled)
+            self._one[sampled] = (verify.tolist(), draft[:, 1].tolist(), catch_up.tolist())
+        return self._one[sampled]
+
     def predict(self, hidden: list[torch.Tensor | None], texts: list[list[int]] | None = None) -> np.ndarray:
         """[B, S, D] the predictor's width-1 match estimates; 0 for a row without a hidden state (a
         one-token prompt's first step: nothing to route on, so it decodes plainly). `texts`, the
@@ -198,12 +211,12 @@ class ChainRouter:
         max_depths: list[int],
         pacing: DecisionPacing | None = None,
         texts: list[list[int]] | None = None,
-        behind: Callable[[], np.ndarray] | None = None,
+        behind: Callable[[], Sequence[Sequence[int]]] | None = None,
         sampled: bool = False,
     ) -> ChainPlan:
         """The step's routing for rows with these hidden states (and texts) and tokens still
         wanted; with `pacing` (the group's), a plain step without deciding when it says so.
-        `behind()` [B, S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
+        `behind()` [B][S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
         one each, as after a step it drafted); asked only where a catch-up can cost more.
         `sampled`: the rows draft host trees (sampled or processed chains), priced by their own
         table."""
@@ -212,11 +225,19 @@ class ChainRouter:
             return self.plain(max_depths)
         self._age()
         raw = self.predict(hidden, texts)
-        scale = 1.0 if self.calibration is None else self.calibration.depth  # [S, D]
+        scale = None if self.calibration is None else self.calibration.depth  # [S][D]
         cap = np.asarray(max_depths, dtype=np.float64)
-        f = np.minimum(raw * scale, cap[:, None, None])  # [B, S, D]
-        late = None if behind is None or not self._costs(len(hidden), sampled)[2].any() else behind()
-        plan = self.choose(f, raw, cap, late, sampled)
+        if len(hidden) == 1:
+            most, estimates = float(max_depths[0]), raw[0].tolist()  # [S][D]
+            scales = scale or [[1.0] * len(self.depths)] * self.num_ssms
+            rows = zip(estimates, scales, strict=True)
+            f = [[min(x * s, most) for x, s in zip(*row, strict=True)] for row in rows]
+            late = behind()[0] if behind is not None and any(self._costs_one(sampled)[2]) else None
+            plan = self._choose_one(f, raw, cap, late, sampled)
+        else:
+            f = np.minimum(raw * (1.0 if scale is None else np.asarray(scale)), cap[:, None, None])
+            late = behind() if behind is not None and self._costs(len(hidden), sampled)[2].any() else None
+            plan = self.choose(f, raw, cap, late, sampled)
         if pacing is not None:
             pacing.decided(plan.depth_index < 0)
         return plan
@@ -226,32 +247,31 @@ class ChainRouter:
         f: np.ndarray,
         raw: np.ndarray,
         cap: np.ndarray,
-        behind: np.ndarray | None = None,
+        behind: Sequence[Sequence[int]] | None = None,
         sampled: bool = False,
     ) -> ChainPlan:
         """The rule (module doc) on corrected estimates `f` [B, S, D], rows `behind` [B, S],
         drafting `sampled` chains or greedy ones."""
         rows = f.shape[0]
+        if rows == 1:
+            return self._choose_one(f[0].tolist(), raw, cap, None if behind is None else behind[0], sampled)
         verify, draft, catch_up = self._costs(rows, sampled)
         v, g, v_plain = self.cost_factors
         verify_s = verify * v
         verify_s[0] = verify[0] * v_plain
-        late = np.zeros((rows, self.num_ssms), bool) if behind is None else behind > COMPILED_MAX_CHAIN
+        late = np.zeros((rows, self.num_ssms), bool)
+        if behind is not None:
+            late = np.asarray(behind) > COMPILED_MAX_CHAIN
         catch_up_s = late * (g * catch_up / self.stretches.mean)  # [B, S], amortised (module doc)
-        route = (
-            self._route_one(f[0], verify_s, g * draft, catch_up_s[0])
-            if rows == 1
-            else self._route(f, verify_s, g * draft, catch_up_s)
-        )
-        plain = ChainPlan(np.full(rows, NO_SSM), [0] * rows, -1, raw[:, 0], cap, (float(verify[0]), 0.0))
+        route = self._route(f, verify_s, g * draft, catch_up_s)
         if route is None:
-            return plain
+            return self.plain(cap)
         ssm, d = route
         length = int(self.depths[d])
         lengths = [min(length, int(c)) if i != NO_SSM else 0 for i, c in zip(ssm, cap, strict=True)]
         ssm[np.asarray(lengths) == 0] = NO_SSM  # rows with no token left to draft
         if not any(lengths):
-            return plain
+            return self.plain(cap)
         predicted = raw[np.arange(rows), np.maximum(ssm, 0)]  # [B, D]
         # What the profile says the drafting costs, eager catch-ups included (charged or not), for
         # the correction g to compare with the measured seconds (5.2).
@@ -259,32 +279,49 @@ class ChainRouter:
         for i in {int(i) for i in ssm if i != NO_SSM}:
             mine = ssm == i
             drafting_s += draft[i, mine.sum(), d] + catch_up[i] * late[mine, i].any()
-        return ChainPlan(ssm, lengths, int(d), predicted, cap, (float(verify[1 + d]), float(drafting_s)))
+        profiled = (float(verify[1 + d]), float(drafting_s))
+        return ChainPlan(ssm.tolist(), lengths, int(d), predicted, cap, profiled)
 
-    def plain(self, max_depths: list[int] | np.ndarray) -> ChainPlan:
+    def _choose_one(
+        self,
+        f: list[list[float]],
+        raw: np.ndarray,
+        cap: np.ndarray,
+        behind: Sequence[int] | None,
+        sampled: bool,
+    ) -> ChainPlan:
+        """The rule at batch 1, the argmax over (SSM i, depth d) and "plain" of (1 + f_i(d)) /
+        seconds, in plain Python over the [S][D] estimates `f`: it runs every drafting step, and
+        there, with the LLM's pass just done, each numpy call on arrays this small cost about 10 us
+        (numpy's code and data gone from the CPU's caches: deciding by numpy took 0.3-0.5 ms a
+        step). The batch rule's arithmetic at B = 1, in the same order: the same choice."""
+        verify, draft, catch_up = self._costs_one(sampled)
+        v, g, v_plain = self.cost_factors
+        late = [behind is not None and behind[i] > COMPILED_MAX_CHAIN for i in range(self.num_ssms)]
+        mean = self.stretches.mean
+        best, choice = 1 / (verify[0] * v_plain), None
+        for i, (estimates, seconds) in enumerate(zip(f, draft, strict=True)):
+            extra = g * catch_up[i] / mean if late[i] else 0.0
+            for d, (match, drafting) in enumerate(zip(estimates, seconds, strict=True)):
+                score = (1 + match) / (verify[1 + d] * v + g * drafting + extra)
+                if score > best:
+                    best, choice = score, (i, d)
+        length = 0 if choice is None else min(self._depths[choice[1]], int(cap[0]))
+        if not length:
+            return self.plain(cap)
+        i, d = choice
+        profiled = (verify[1 + d], draft[i][d] + (catch_up[i] if late[i] else 0.0))
+        return ChainPlan([i], [length], d, raw[:, i], cap, profiled)
+
+    def plain(self, max_depths: Sequence[float]) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing
         reads a plain plan's estimates or depths)."""
         rows = len(max_depths)
         if rows not in self._plain:
             nothing = np.zeros((rows, len(self.depths)))
             profiled = (float(self._costs(rows)[0][0]), 0.0)
-            self._plain[rows] = ChainPlan(
-                np.full(rows, NO_SSM), [0] * rows, -1, nothing, np.zeros(rows), profiled
-            )
+            self._plain[rows] = ChainPlan([NO_SSM] * rows, [0] * rows, -1, nothing, np.zeros(rows), profiled)
         return self._plain[rows]
-
-    @staticmethod
-    def _route_one(
-        f: np.ndarray, verify: np.ndarray, draft: np.ndarray, catch_up: np.ndarray
-    ) -> tuple[np.ndarray, int] | None:
-        """One row: the best (SSM, depth) of (1 + f) / seconds [S, D], None if plain is better
-        (the batch rule's value at B = 1, with a few numpy calls: it runs every step). Costs are
-        corrected: `verify` [D + 1], `draft` [S, 2, D], `catch_up` [S]."""
-        score = (1 + f) / (verify[1:] + draft[:, 1] + catch_up[:, None])  # [S, D]
-        i, d = np.unravel_index(score.argmax(), score.shape)
-        if 1 / verify[0] >= score[i, d]:
-            return None
-        return np.array([i]), int(d)
 
     def _route(
         self, f: np.ndarray, verify: np.ndarray, draft: np.ndarray, catch_up: np.ndarray
@@ -329,22 +366,26 @@ class ChainRouter:
         again) is aged at the next decision, all such steps at once (`_age`): declining costs a
         few float operations per step, as plain decoding costs nothing to decide."""
         measured = setup_count() == self._setups  # else it compiled or warmed: its seconds say nothing
-        drafting = np.flatnonzero(plan.ssm != NO_SSM) if plan.depth_index >= 0 else ()
-        if not len(drafting):
+        drafting = [b for b, length in enumerate(plan.lengths) if length]
+        if not drafting:
             self._idle += 1
             if self.plain_costs is not None and measured:
                 self.plain_costs.update((verify_seconds, 0.0), plan.profiled)
             return
         self._age()
-        if self.calibration is not None:
+        if self.calibration is not None and len(drafting) == 1:  # batch 1: no numpy call (`_choose_one`)
+            (b,) = drafting
+            predicted, cap = plan.predicted[b].tolist(), float(plan.max_depths[b])
+            self.calibration.observe_one(plan.ssm[b], predicted, plan.depth_index, accepted[b], cap)
+        elif self.calibration is not None:
             self.calibration.observe(
-                plan.ssm[drafting],
+                np.asarray(plan.ssm)[drafting],
                 plan.predicted[drafting],
                 np.full(len(drafting), plan.depth_index),
                 np.asarray(accepted, dtype=np.float64)[drafting],
                 plan.max_depths[drafting],
             )
-        self.stretches.observe(np.unique(plan.ssm[drafting]))
+        self.stretches.observe({plan.ssm[b] for b in drafting})
         if self.costs is not None and measured:
             self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
 

@@ -23,12 +23,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.batched_drafter import BatchedChainDrafter
-from specboost.speculator.chain_router import ChainPlan, ChainRouter, DecisionPacing
+from specboost.speculator.chain_router import NO_SSM, ChainPlan, ChainRouter, DecisionPacing
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import COMPILED_MAX_NODES, CompiledPass, bucket
 from specboost.speculator.predictor import MatchLengthPredictor
@@ -69,9 +68,9 @@ class RoutedChains:
         for drafter in self.drafters:
             drafter.cache.warm_for(positions)
 
-    def behind(self, verified: list[list[int]]) -> np.ndarray:
-        """[B, S] the tokens each SSM must catch each row up on before drafting it (at least 1)."""
-        return np.array([drafter.behind(verified) for drafter in self.drafters]).T
+    def behind(self, verified: list[list[int]]) -> list[tuple[int, ...]]:
+        """[B][S] the tokens each SSM must catch each row up on before drafting it (at least 1)."""
+        return list(zip(*(drafter.behind(verified) for drafter in self.drafters), strict=True))
 
     def nothing(self, verified: list[list[int]]) -> ChainDraft:
         """Chains of no token for every row (a plain step)."""
@@ -88,34 +87,32 @@ class RoutedChains:
         kinds = [DraftKind.SAMPLED if s else DraftKind.GREEDY for s in sample]
         trees = [TokenTree.root_only(v[-1], kind) for v, kind in zip(verified, kinds, strict=True)]
         streams: list[torch.Generator | None] = [None] * len(verified)  # unseeded rows sample
-        for i in np.unique(plan.ssm[plan.ssm >= 0]).tolist():
-            mine = plan.ssm == i
+        for i, mine in plan.routes():
             lengths = [n if on else 0 for n, on in zip(plan.lengths, mine, strict=True)]
             chains = self.drafters[i].draft(verified, lengths, probs, streams, sample)
-            for b in np.flatnonzero(mine).tolist():
+            for b in (b for b, on in enumerate(mine) if on):
                 trees[b].add_sequence([t for t, _ in chains[b]], i, [q for _, q in chains[b]])
         return trees
 
     def draft(self, verified: list[list[int]], plan: ChainPlan) -> ChainDraft:
         """Every row's chain, on the device (rows drafting nothing: length 0)."""
         roots = [v[-1] for v in verified]
-        first = int(plan.ssm[0])
-        if first >= 0 and (plan.ssm == first).all():  # one SSM drafts every row (batch 1: always)
+        first = plan.ssm[0]
+        if first != NO_SSM and all(i == first for i in plan.ssm):  # one SSM drafts every row (batch 1)
             chains, drafted = self.drafters[first].draft_greedy(verified, list(plan.lengths))
             return ChainDraft(roots, chains, drafted, first)
         width = max(plan.lengths, default=0)  # 0: a plain step, chains of no token
         tokens = torch.zeros(len(verified), width, dtype=torch.long, device=self.drafters[0].model.device)
         lengths = list(plan.lengths)
-        for i in np.unique(plan.ssm[plan.ssm >= 0]).tolist():
-            mine = plan.ssm == i
+        for i, mine in plan.routes():
             chains, drafted = self.drafters[i].draft_greedy(
                 verified, [n if on else 0 for n, on in zip(plan.lengths, mine, strict=True)]
             )
-            for b in np.flatnonzero(mine).tolist():
+            for b in (b for b, on in enumerate(mine) if on):
                 lengths[b] = drafted[b]  # fewer past the SSM's context
             rows = torch.as_tensor(mine, device=tokens.device)[:, None]
             tokens[:, : chains.shape[1]] = torch.where(rows, chains, tokens[:, : chains.shape[1]])
-        return ChainDraft(roots, tokens, lengths, np.maximum(plan.ssm, 0).tolist())
+        return ChainDraft(roots, tokens, lengths, [max(i, 0) for i in plan.ssm])
 
 
 class RoutedScheduler:

@@ -94,8 +94,9 @@ class OnlineCalibration:
         self._renewed = np.zeros((num_ssms, len(depths) + 1), dtype=bool)
         self._new_accepted = np.zeros((num_ssms, len(depths) + 1))
         self._new_predicted = np.zeros((num_ssms, len(depths) + 1))
+        self._depth_list = self.depths.tolist()
         self._grid: torch.Tensor | None = None
-        self._depth: np.ndarray | None = None
+        self._depth: list[list[float]] | None = None
 
     @property
     def grid(self) -> torch.Tensor:
@@ -105,20 +106,27 @@ class OnlineCalibration:
         return self._grid
 
     @property
-    def depth(self) -> np.ndarray:
-        """`depth_scales()`, computed once per update, when first asked for (do not modify)."""
+    def depth(self) -> list[list[float]]:
+        """s_id [S][D]: each depth's own ratio, shrunk toward its SSM's s_i; computed once per
+        update, when first asked for (do not modify). Plain Python: the routed scheduler reads it
+        every drafting step, where a few dozen floats cost less than numpy's calls on them
+        (`ChainRouter._choose_one`)."""
         if self._depth is None:
-            self._depth = self.depth_scales()
+            rows = zip(self.accepted.tolist(), self.predicted.tolist(), self.ssm_scales(), strict=True)
+            self._depth = [
+                [_scale(a, p, s, DEPTH_PRIOR) for a, p in zip(aa[:-1], pp[:-1], strict=True)]
+                for aa, pp, s in rows
+            ]
         return self._depth
 
-    def ssm_scales(self) -> np.ndarray:
+    def ssm_scales(self) -> list[float]:
         """s_i [S]: accepted / predicted match of each SSM's drafts, with the prior."""
-        return _clip((self.accepted[:, -1] + 1) / (self.predicted[:, -1] + 1))
+        rows = zip(self.accepted.tolist(), self.predicted.tolist(), strict=True)
+        return [_scale(aa[-1], pp[-1], 1.0, 1.0) for aa, pp in rows]
 
     def depth_scales(self) -> np.ndarray:
-        """s_id [S, D]: each depth's own ratio, shrunk toward its SSM's s_i."""
-        prior = DEPTH_PRIOR * self.ssm_scales()[:, None]
-        return _clip((self.accepted[:, :-1] + prior) / (self.predicted[:, :-1] + DEPTH_PRIOR))
+        """`depth` [S, D] as an array."""
+        return np.array(self.depth)
 
     def grid_scales(self) -> torch.Tensor:
         """s_id per predictor output [S, widths * depths] (b major), on the predictor's device."""
@@ -148,10 +156,10 @@ class OnlineCalibration:
         section 5.3): SSM `ssm[k]` drafted `depths[d_index[k]]` deep at most `max_depth` (one
         number, or one per draft); `predicted[k]` [D] is f of its width at every depth, and
         `matched[k]` its accepted nodes. Every SSM and depth renewed by some draft decays once.
-        One draft (every step at batch 1) takes `_observe_one`, unless not `fast`."""
+        One draft (every step at batch 1) takes `observe_one`, unless not `fast`."""
         if fast and len(ssm) == 1:
             cap = float(np.asarray(max_depth).reshape(-1)[0])
-            self._observe_one(int(ssm[0]), predicted[0], int(d_index[0]), float(matched[0]), cap)
+            self.observe_one(int(ssm[0]), predicted[0].tolist(), int(d_index[0]), float(matched[0]), cap)
             return
         n, depths = len(ssm), len(self.depths)
         cap = np.broadcast_to(np.asarray(max_depth, dtype=np.float64), (n,))
@@ -192,19 +200,20 @@ class OnlineCalibration:
         self.predicted *= IDLE_DECAY**steps
         self._grid = self._depth = None
 
-    def _observe_one(self, ssm: int, predicted: np.ndarray, d_index: int, matched: float, cap: float) -> None:
+    def observe_one(self, ssm: int, predicted: list[float], d_index: int, matched: float, cap: float) -> None:
         """`observe` of one draft (every step at batch 1), in plain Python on its SSM's few entries:
         numpy's per-call cost dominates arrays this small. Same arithmetic."""
         self.accepted *= IDLE_DECAY
         self.predicted *= IDLE_DECAY
-        accepted, predicted_sums = self.accepted[ssm], self.predicted[ssm]
-        reach, renew = min(float(self.depths[d_index]), cap), self.momentum / IDLE_DECAY
-        for d, depth in enumerate(self.depths.tolist()):
+        accepted, predicted_sums = self.accepted[ssm].tolist(), self.predicted[ssm].tolist()
+        reach, renew = min(self._depth_list[d_index], cap), self.momentum / IDLE_DECAY
+        for d, depth in enumerate(self._depth_list):
             if depth <= reach:
                 accepted[d] = accepted[d] * renew + min(matched, depth)
-                predicted_sums[d] = predicted_sums[d] * renew + min(float(predicted[d]), cap)
+                predicted_sums[d] = predicted_sums[d] * renew + min(predicted[d], cap)
         accepted[-1] = accepted[-1] * renew + matched
-        predicted_sums[-1] = predicted_sums[-1] * renew + min(float(predicted[d_index]), cap)
+        predicted_sums[-1] = predicted_sums[-1] * renew + min(predicted[d_index], cap)
+        self.accepted[ssm], self.predicted[ssm] = accepted, predicted_sums
         self._grid = self._depth = None
 
 
@@ -217,9 +226,10 @@ def check_pool_size(predictor: MatchLengthPredictor, cost_model: CostModel, num_
         )
 
 
-def _clip(scale: np.ndarray) -> np.ndarray:
-    """`scale` clipped to SCALE_RANGE, in place (np.clip costs twice as much on tiny arrays)."""
-    return np.minimum(np.maximum(scale, SCALE_RANGE[0], out=scale), SCALE_RANGE[1], out=scale)
+def _scale(accepted: float, predicted: float, prior: float, weight: float) -> float:
+    """(accepted + weight x prior) / (predicted + weight): a ratio with `weight` predicted tokens of
+    pseudo-evidence at scale `prior`, clipped to SCALE_RANGE."""
+    return min(max((accepted + weight * prior) / (predicted + weight), SCALE_RANGE[0]), SCALE_RANGE[1])
 
 
 class CostCorrection:
@@ -387,7 +397,7 @@ class LearnedScheduler:
         """Each SSM's online correction s_i (section 5.1; all 1 when calibration is off)."""
         if self.calibration is None:
             return [1.0] * self.num_ssms
-        return self.calibration.ssm_scales().tolist()
+        return self.calibration.ssm_scales()
 
     @property
     def cost_factors(self) -> tuple[float, float]:

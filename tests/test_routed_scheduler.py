@@ -62,7 +62,7 @@ def objective(router: ChainRouter, f: np.ndarray, ssm: np.ndarray, depth: int) -
 
 def plan_objective(router: ChainRouter, f: np.ndarray) -> float:
     plan = router.choose(f, f, np.full(f.shape[0], 100.0))
-    return objective(router, f, plan.ssm, max(plan.depth_index, 0))
+    return objective(router, f, np.asarray(plan.ssm), max(plan.depth_index, 0))
 
 
 costs = st.floats(1e-4, 1e-2)
@@ -73,10 +73,12 @@ costs = st.floats(1e-4, 1e-2)
     f=st.lists(st.floats(0, 4), min_size=4, max_size=4),
     verify=st.lists(costs, min_size=3, max_size=3),
     draft=st.lists(costs, min_size=4, max_size=4),
+    factors=st.lists(st.floats(0.5, 2.0), min_size=3, max_size=3),
 )
-def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, draft) -> None:
+def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, draft, factors) -> None:
     """At batch 1 the rule is the argmax over plain and every (SSM, length) of expected tokens per
-    second (brute force over the 5 actions)."""
+    second (brute force over the 5 actions); its plain-Python form chooses what the batch rule's
+    numpy form chooses at B = 1, under any cost corrections."""
     router = ChainRouter(
         constant_predictor([[[0.0, 0.0]] * 2] * 2),
         chain_costs([sorted(verify), sorted(verify)], [[draft[:2], draft[:2]], [draft[2:], draft[2:]]]),
@@ -87,14 +89,15 @@ def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, dra
         + [objective(router, f, np.array([i]), d) for i in range(2) for d in range(2)]
     )
     assert plan_objective(router, f) == pytest.approx(best)
+    v, g, v_plain = factors
+    router.costs.factors, router.plain_costs.factors = (v, g), (v_plain, 1.0)
     verify_s, draft_s, _ = router._costs(1)
-    one, batch = (
-        router._route_one(f[0], verify_s, draft_s, np.zeros(2)),
-        router._route(f, verify_s, draft_s, np.zeros((1, 2))),
-    )
-    assert (one is None) == (batch is None)  # the batch rule at B = 1 is the one-row rule
-    if one is not None:
-        assert objective(router, f, one[0], one[1]) == pytest.approx(objective(router, f, batch[0], batch[1]))
+    verify_s = np.concatenate([verify_s[:1] * v_plain, verify_s[1:] * v])
+    one = router._choose_one(f[0].tolist(), f, np.array([100.0]), None, False)  # plain Python
+    batch = router._route(f, verify_s, g * draft_s, np.zeros((1, 2)))  # numpy, any batch size
+    assert (one.depth_index < 0) == (batch is None)
+    if batch is not None:
+        assert (one.ssm, one.depth_index) == (batch[0].tolist(), batch[1])
 
 
 @settings(max_examples=40, deadline=None)
@@ -126,7 +129,7 @@ def test_nothing_predicted_decodes_plainly_and_rows_turn_off_alone() -> None:
     f = np.zeros((8, 2, 2))
     f[:7, 1] = [0.9, 3.5]  # seven rows where SSM 1 matches well, one where nothing does
     plan = router.choose(f, f, np.full(8, 100.0))
-    assert plan.lengths == [4] * 7 + [0] and plan.ssm.tolist() == [1] * 7 + [NO_SSM]
+    assert plan.lengths == [4] * 7 + [0] and plan.ssm == [1] * 7 + [NO_SSM]
     assert [plan.action(b) for b in (0, 7)] == ["SSM 1 x4", "plain"]
 
 
@@ -145,14 +148,14 @@ def test_a_row_far_behind_pays_its_eager_catch_up() -> None:
     assert router._costs(1)[2] == pytest.approx([2e-3, 2e-3])
     f = np.array([[[0.9, 3.0], [0.9, 3.2]]])  # SSM 1 a little better
     up_to_date = np.array([[1, 20]])  # SSM 1 sat out 19 steps
-    assert router.choose(f, f, np.array([100.0]), np.array([[1, 2]])).ssm.tolist() == [1]
-    assert router.choose(f, f, np.array([100.0]), up_to_date).ssm.tolist() == [0]
+    assert router.choose(f, f, np.array([100.0]), np.array([[1, 2]])).ssm == [1]
+    assert router.choose(f, f, np.array([100.0]), up_to_date).ssm == [0]
     much_better = np.array([[[0.2, 0.5], [0.9, 4.0]]])
-    assert router.choose(much_better, much_better, np.array([100.0]), up_to_date).ssm.tolist() == [1]
+    assert router.choose(much_better, much_better, np.array([100.0]), up_to_date).ssm == [1]
     batch = np.repeat(f, 3, 0)  # a batch: one late row makes SSM 1's one catch-up pass eager
     behind = np.array([[1, 1], [1, 1], [1, 20]])
-    assert router.choose(batch, batch, np.full(3, 100.0), behind).ssm.tolist() == [0, 0, 0]
-    assert router.choose(batch, batch, np.full(3, 100.0), np.ones((3, 2))).ssm.tolist() == [1, 1, 1]
+    assert router.choose(batch, batch, np.full(3, 100.0), behind).ssm == [0, 0, 0]
+    assert router.choose(batch, batch, np.full(3, 100.0), np.ones((3, 2))).ssm == [1, 1, 1]
     asked = []
     router.plan([torch.zeros(32)], [100], behind=lambda: asked.append(1) or np.array([[1, 20]]))
     router.costs_on_compiled_loop(False)  # eager: every catch-up costs alike, nothing to ask
