@@ -110,6 +110,9 @@ class ModelCalls:
             return
         if isinstance(speculator, RoutedScheduler):
             longest = 1 + int(speculator.router.depths.max())
+            # The router's estimates come out of the LLM's verify pass (5.3, "Cost of deciding"):
+            # its current router's, should the scheduler's router be replaced
+            self.get(llm).head = lambda: speculator.router.pass_head(llm.device)
             self.get(llm).expected.update(verify_passes(longest, hidden=True))
             self.get(llm).expected.add(PassShape(1, 1, False))  # a plain step while the gate is off (5.4)
             for model in speculator.models:

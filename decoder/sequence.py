@@ -82,7 +82,7 @@ class SequenceState:
     tag: Any = None  # the owner's reference: a row of the input batch, an engine request
     stats: DecodeStats = field(default_factory=DecodeStats)
     tree: TokenTree | None = None  # drafted, waiting for verification
-    hidden: torch.Tensor | None = None  # [H] LLM state before the root, for strategies that want it
+    hidden: torch.Tensor | None = None  # [H] LLM state before the root (or its head's [S * D]: `PassHead`)
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None  # when its last token was emitted
     timer_mark: int = 0  # the group timer's mark when the row joined (its phases are those since)

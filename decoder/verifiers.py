@@ -16,7 +16,8 @@ from specboost.decoder.verify import DEFAULT_SAMPLING_RULE, Rule, Verdict, apply
 from specboost.speculator.kv_cache import TreeCache
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree, TreeBatch
 
-Hidden = list[torch.Tensor] | None  # per row: the LLM's last hidden state [H] before the new root
+# per row: the LLM's last hidden state [H] before the new root (the estimates [S * D] of its call's head)
+Hidden = list[torch.Tensor] | None
 
 
 class Verifier(Protocol):

@@ -21,7 +21,8 @@ compiled catch-up pass takes also pays its eager pass's extra time, shared by th
 stretch (`Stretches`; ALGORITHMS.md 5.3, "Catching up"). "No draft" for the whole batch scores
 B / (v_plain L_verify(B, 1)), plain steps' own correction: plain decoding, so the rule never
 speculates where it expects to lose. Then K = 0 per row: a row whose e_b is worth
-less than the drafting time it adds (e_b x seconds < tokens x its marginal L_chain) drafts nothing.
+less than the drafting time it adds (e_b x seconds < tokens x its marginal L_chain) drafts nothing,
+but for the most promising row (all rows off is the plain step, already scored above).
 The verify pass pads every row to the longest chain, so a row's own length only changes the
 drafting. All (d, U) pairs are scored at once: at most `max_subsets` sets U (every subset of a
 small pool; else each SSM alone and the whole pool). At batch 1 this is the argmax over (SSM i,
@@ -39,7 +40,7 @@ import torch
 
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import COMPILED_MAX_CHAIN, setup_count
-from specboost.speculator.predictor import MatchLengthPredictor
+from specboost.speculator.predictor import MatchLengthPredictor, PassHead, apply_head
 from specboost.speculator.scheduler import CostCorrection, OnlineCalibration
 
 NO_SSM = -1
@@ -54,8 +55,8 @@ class ChainPlan:
     ssm: list[int]  # [B] the SSM drafting each row (NO_SSM: none)
     lengths: list[int]  # [B] tokens to draft (0: none)
     depth_index: int  # the grid depth drafted (index into the predictor's depths); -1: plain step
-    predicted: np.ndarray  # [B, D] the drafting SSM's raw f at every grid depth (rows drafting)
-    max_depths: np.ndarray  # [B] tokens each row may still draft
+    predicted: list[list[float]]  # [B][D] the drafting SSM's raw f at every grid depth (rows drafting)
+    max_depths: list[float]  # [B] tokens each row may still draft
     profiled: tuple[float, float]  # the profile's (verify, drafting) seconds of the step (5.2)
 
     def action(self, row: int) -> str:
@@ -98,10 +99,15 @@ class ChainRouter:
         self.depths = np.asarray(c.depths)
         self._depths = list(c.depths)
         self.predictor = predictor
-        self._predict = predictor.compiled()
+        self._head = predictor.head(1)
+        if self._head.w1.device.type == "cuda":  # a CUDA graph reads them in place, not copied per replay
+            for tensor in self._head:
+                torch._dynamo.mark_static_address(tensor)
         self._predict_on_host = predictor.on_host(1)
-        start = c.widths.index(1) * len(c.depths)
-        self._width_one = slice(start, start + len(c.depths))
+        # A state of this size is the head's output, from an LLM pass that applied it (`pass_head`);
+        # None where it would not tell a hidden state from an estimate.
+        estimates = c.num_ssms * len(c.depths)
+        self._in_pass: int | None = estimates if estimates != c.input_size else None
         self.cost_model = cost_model
         self._momenta = (calibration, cost_correction)
         everyone = range(self.num_ssms)
@@ -183,27 +189,49 @@ class ChainRouter:
             self._one[sampled] = (verify.tolist(), draft[:, 1].tolist(), catch_up.tolist())
         return self._one[sampled]
 
+    def pass_head(self, device: torch.device) -> PassHead | None:
+        """What an LLM's passes on `device` that return hidden states apply to them, for this
+        router: its predictor's width-1 estimates (`predict` reads them as they come); None: it
+        reads the hidden states (its predictor is on another device, or its estimates are as many
+        as the hidden state's size). Deciding right after the LLM's pass, with the CPU's caches
+        full of the LLM, the predictor's dozen numpy calls had cost 0.20-0.24 ms a step
+        (ALGORITHMS.md 5.3, "Cost of deciding"); in the compiled pass they are three small matmuls
+        more."""
+        return None if self._in_pass is None or self._head.w1.device != device else self._head
+
     def predict(self, hidden: list[torch.Tensor | None], texts: list[list[int]] | None = None) -> np.ndarray:
         """[B, S, D] the predictor's width-1 match estimates; 0 for a row without a hidden state (a
-        one-token prompt's first step: nothing to route on, so it decodes plainly). `texts`, the
-        rows' tokens, are for routers that read them (the oracle's true lengths)."""
+        one-token prompt's first step: nothing to route on, so it decodes plainly). A row's state is
+        its hidden state, or the estimates themselves where the LLM's pass applied `pass_head`.
+        `texts`, the rows' tokens, are for routers that read them (the oracle's true lengths)."""
         known = [b for b, h in enumerate(hidden) if h is not None]
+        shape = (self.num_ssms, len(self.depths))
         if not known:
-            return np.zeros((len(hidden), self.num_ssms, len(self.depths)))
+            return np.zeros((len(hidden), *shape))
         states = (
             hidden[0][None] if len(known) == len(hidden) == 1 else torch.stack([hidden[b] for b in known])
         )
-        if states.device.type == "cpu":  # numpy: a fraction of torch's per-call dispatch
+        if states.shape[-1] == self._in_pass:  # estimates already
+            out = states.float().cpu().numpy().reshape(len(known), *shape)
+        elif states.device.type == "cpu":  # numpy: a fraction of torch's per-call dispatch
             host = states if states.dtype in (torch.float32, torch.float64) else states.float()
             out = self._predict_on_host(host.numpy())  # [known, S, D]
         else:
             with torch.no_grad():
-                out = self._predict(states)[..., self._width_one].cpu().numpy()
+                out = apply_head(states, self._head).cpu().numpy().reshape(len(known), *shape)
         if len(known) == len(hidden):
             return out
-        f = np.zeros((len(hidden), *out.shape[1:]), dtype=out.dtype)
+        f = np.zeros((len(hidden), *shape), dtype=out.dtype)
         f[known] = out
         return f
+
+    def _predict_one(self, state: torch.Tensor | None, texts: list[list[int]] | None) -> list[list[float]]:
+        """`predict` of one row, as [S][D] lists; with no numpy call where the LLM's pass gave the
+        estimates (`pass_head`)."""
+        if state is None or state.shape[-1] != self._in_pass:
+            return self.predict([state], texts)[0].tolist()
+        flat, depths = state.tolist(), len(self._depths)
+        return [flat[i * depths : (i + 1) * depths] for i in range(self.num_ssms)]
 
     def plan(
         self,
@@ -224,17 +252,16 @@ class ChainRouter:
         if pacing is not None and not pacing.due():
             return self.plain(max_depths)
         self._age()
-        raw = self.predict(hidden, texts)
         scale = None if self.calibration is None else self.calibration.depth  # [S][D]
-        cap = np.asarray(max_depths, dtype=np.float64)
         if len(hidden) == 1:
-            most, estimates = float(max_depths[0]), raw[0].tolist()  # [S][D]
+            estimates, most = self._predict_one(hidden[0], texts), float(max_depths[0])  # [S][D]
             scales = scale or [[1.0] * len(self.depths)] * self.num_ssms
             rows = zip(estimates, scales, strict=True)
             f = [[min(x * s, most) for x, s in zip(*row, strict=True)] for row in rows]
             late = behind()[0] if behind is not None and any(self._costs_one(sampled)[2]) else None
-            plan = self._choose_one(f, raw, cap, late, sampled)
+            plan = self._choose_one(f, estimates, [most], late, sampled)
         else:
+            raw, cap = self.predict(hidden, texts), np.asarray(max_depths, dtype=np.float64)
             f = np.minimum(raw * (1.0 if scale is None else np.asarray(scale)), cap[:, None, None])
             late = behind() if behind is not None and self._costs(len(hidden), sampled)[2].any() else None
             plan = self.choose(f, raw, cap, late, sampled)
@@ -254,7 +281,8 @@ class ChainRouter:
         drafting `sampled` chains or greedy ones."""
         rows = f.shape[0]
         if rows == 1:
-            return self._choose_one(f[0].tolist(), raw, cap, None if behind is None else behind[0], sampled)
+            late = None if behind is None else behind[0]
+            return self._choose_one(f[0].tolist(), raw[0].tolist(), cap.tolist(), late, sampled)
         verify, draft, catch_up = self._costs(rows, sampled)
         v, g, v_plain = self.cost_factors
         verify_s = verify * v
@@ -272,7 +300,7 @@ class ChainRouter:
         ssm[np.asarray(lengths) == 0] = NO_SSM  # rows with no token left to draft
         if not any(lengths):
             return self.plain(cap)
-        predicted = raw[np.arange(rows), np.maximum(ssm, 0)]  # [B, D]
+        predicted = raw[np.arange(rows), np.maximum(ssm, 0)].tolist()  # [B][D]
         # What the profile says the drafting costs, eager catch-ups included (charged or not), for
         # the correction g to compare with the measured seconds (5.2).
         drafting_s = 0.0
@@ -280,21 +308,22 @@ class ChainRouter:
             mine = ssm == i
             drafting_s += draft[i, mine.sum(), d] + catch_up[i] * late[mine, i].any()
         profiled = (float(verify[1 + d]), float(drafting_s))
-        return ChainPlan(ssm.tolist(), lengths, int(d), predicted, cap, profiled)
+        return ChainPlan(ssm.tolist(), lengths, int(d), predicted, cap.tolist(), profiled)
 
     def _choose_one(
         self,
         f: list[list[float]],
-        raw: np.ndarray,
-        cap: np.ndarray,
+        raw: list[list[float]],
+        cap: list[float],
         behind: Sequence[int] | None,
         sampled: bool,
     ) -> ChainPlan:
         """The rule at batch 1, the argmax over (SSM i, depth d) and "plain" of (1 + f_i(d)) /
-        seconds, in plain Python over the [S][D] estimates `f`: it runs every drafting step, and
-        there, with the LLM's pass just done, each numpy call on arrays this small cost about 10 us
-        (numpy's code and data gone from the CPU's caches: deciding by numpy took 0.3-0.5 ms a
-        step). The batch rule's arithmetic at B = 1, in the same order: the same choice."""
+        seconds, in plain Python over the [S][D] estimates `f` (`raw`: before their corrections):
+        it runs every drafting step, and there, with the LLM's pass just done, each numpy call on
+        arrays this small cost about 10 us (numpy's code and data gone from the CPU's caches:
+        deciding by numpy took 0.3-0.5 ms a step). The batch rule's arithmetic at B = 1, in the
+        same order: the same choice."""
         verify, draft, catch_up = self._costs_one(sampled)
         v, g, v_plain = self.cost_factors
         late = [behind is not None and behind[i] > COMPILED_MAX_CHAIN for i in range(self.num_ssms)]
@@ -311,16 +340,16 @@ class ChainRouter:
             return self.plain(cap)
         i, d = choice
         profiled = (verify[1 + d], draft[i][d] + (catch_up[i] if late[i] else 0.0))
-        return ChainPlan([i], [length], d, raw[:, i], cap, profiled)
+        return ChainPlan([i], [length], d, [raw[i]], cap, profiled)
 
     def plain(self, max_depths: Sequence[float]) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing
         reads a plain plan's estimates or depths)."""
         rows = len(max_depths)
         if rows not in self._plain:
-            nothing = np.zeros((rows, len(self.depths)))
+            nothing = [[0.0] * len(self.depths) for _ in range(rows)]
             profiled = (float(self._costs(rows)[0][0]), 0.0)
-            self._plain[rows] = ChainPlan([NO_SSM] * rows, [0] * rows, -1, nothing, np.zeros(rows), profiled)
+            self._plain[rows] = ChainPlan([NO_SSM] * rows, [0] * rows, -1, nothing, [0.0] * rows, profiled)
         return self._plain[rows]
 
     def _route(
@@ -348,7 +377,10 @@ class ChainRouter:
         ssm, e = best[u, :, d].copy(), gain[u, :, d]
         counts = routed[u, d].copy()
         tokens_kept, verify_s, drafting_s = float(tokens[u, d]), float(verify[1 + d]), float(drafting[u, d])
-        for b in np.argsort(e):  # K = 0 per row: the least promising rows first
+        # K = 0 per row, the least promising rows first; never the last one: a step with no row
+        # drafting is a plain step, priced above at plain steps' own cost (v_plain), not as a
+        # verify of 1 + d tokens with no drafting
+        for b in np.argsort(e)[:-1]:
             i = ssm[b]
             marginal = draft[i, counts[i], d] - draft[i, counts[i] - 1, d]
             if e[b] * (verify_s + drafting_s) >= tokens_kept * marginal:
@@ -375,15 +407,15 @@ class ChainRouter:
         self._age()
         if self.calibration is not None and len(drafting) == 1:  # batch 1: no numpy call (`_choose_one`)
             (b,) = drafting
-            predicted, cap = plan.predicted[b].tolist(), float(plan.max_depths[b])
-            self.calibration.observe_one(plan.ssm[b], predicted, plan.depth_index, accepted[b], cap)
+            cap = plan.max_depths[b]
+            self.calibration.observe_one(plan.ssm[b], plan.predicted[b], plan.depth_index, accepted[b], cap)
         elif self.calibration is not None:
             self.calibration.observe(
                 np.asarray(plan.ssm)[drafting],
-                plan.predicted[drafting],
+                np.asarray(plan.predicted)[drafting],
                 np.full(len(drafting), plan.depth_index),
                 np.asarray(accepted, dtype=np.float64)[drafting],
-                plan.max_depths[drafting],
+                np.asarray(plan.max_depths)[drafting],
             )
         self.stretches.observe({plan.ssm[b] for b in drafting})
         if self.costs is not None and measured:

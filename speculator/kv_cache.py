@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.model_info import CACHE_ARGUMENT, context_length, keeps_logits
+from specboost.speculator.predictor import PassHead, apply_head
 from specboost.speculator.tree_attention import tree_attention_mask
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class PassShape(NamedTuple):
 
     nodes: int  # new nodes per row, a `node_bucket` size
     keys: int  # fed nodes they may see (pending, then new), a `node_bucket` size
-    hidden: bool  # the pass returns the last hidden states too
+    hidden: bool  # the pass returns the last hidden states too (through the call's head, if any)
 
 
 PassFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # `tree_pass`'s signature
@@ -102,6 +103,11 @@ class CompiledPass:
         self.make = make
         self.store = store or CompiledFunctions()
         self.expected: set[PassShape] = set()
+        # What a pass that returns hidden states applies to them, asked at each such pass: the
+        # routed scheduler's predictor (`ChainRouter.pass_head`), so that its estimates come with
+        # the verify pass's logits. Its weights are the pass's inputs, not frozen into the graph: a
+        # decoder over the same model with another predictor of these sizes shares the graph.
+        self.head: Callable[[], PassHead | None] | None = None
         self.met: set[tuple[int, int]] = set()  # (physical rows, capacity) of the caches warmed
 
     def __call__(
@@ -117,11 +123,16 @@ class CompiledPass:
         dtype: torch.dtype,
         output_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        key = (*tokens.shape, visible.shape[2], output_hidden, cache.layers[0].max_cache_len)
+        head = self.head_for(output_hidden)
+        capacity = cache.layers[0].max_cache_len
+        key = (*tokens.shape, visible.shape[2], output_hidden, capacity, *(head.key if head else ()))
         function = self.store.functions.get(key) or self._new_function(key, model)
-        return function(
-            model, cache, tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden
-        )
+        inputs = (tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden)
+        return function(model, cache, *inputs, None, head)
+
+    def head_for(self, output_hidden: bool) -> PassHead | None:
+        """The head a pass applies to the hidden states it returns (`head`), if it returns them."""
+        return self.head() if output_hidden and self.head is not None else None
 
     def _new_function(self, key: tuple[int, ...], model: PreTrainedModel) -> PassFunction:
         """A compiled function for a key not met yet; past the store's `limit` the eager pass (said once)."""
@@ -190,12 +201,14 @@ def tree_pass(
     dtype: torch.dtype,  # the model's: the additive mask's
     output_hidden: bool,
     logits_at: torch.Tensor | None = None,  # [K] long: the only nodes whose outputs are wanted
+    head: PassHead | None = None,  # applied to the hidden states returned
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass of `model` over a `TreeCache`'s StaticCache: the mask is built here (so a
     compiled pass builds it inside its graph), the new K/V land at `counts[-2]` onward. Returns the
-    logits [B, N, V] and, when asked, the last hidden states [B, N, H]; with `logits_at`, at those
-    nodes only ([B, K, ...]): the model projects only them onto the vocabulary (`logits_to_keep`),
-    which a prompt's pass, whose logits are all dropped but the last, spends most on otherwise."""
+    logits [B, N, V] and, when asked, the last hidden states [B, N, H] (with a `head`, its outputs
+    [B, N, S * D]); with `logits_at`, at those nodes only ([B, K, ...]): the model projects only them
+    onto the vocabulary (`logits_to_keep`), which a prompt's pass, whose logits are all dropped but
+    the last, spends most on otherwise."""
     rows = tokens.shape[0]
     lengths, start, width = counts[:rows], counts[rows], counts[rows + 1]
     for layer in cache.layers:
@@ -213,11 +226,11 @@ def tree_pass(
         output_hidden_states=output_hidden,
         **({} if logits_at is None or not keeps_logits(model) else {"logits_to_keep": logits_at}),
     )
-    hidden = out.hidden_states[-1] if output_hidden else None
-    if logits_at is None:
-        return out.logits, hidden
-    logits = out.logits if out.logits.shape[1] == len(logits_at) else out.logits[:, logits_at]
-    return logits, None if hidden is None else hidden[:, logits_at]
+    logits, hidden = out.logits, out.hidden_states[-1] if output_hidden else None
+    if logits_at is not None:
+        logits = logits if logits.shape[1] == len(logits_at) else logits[:, logits_at]
+        hidden = None if hidden is None else hidden[:, logits_at]
+    return logits, hidden if hidden is None or head is None else apply_head(hidden, head)
 
 
 class FullStaticCache(StaticCache):
@@ -256,7 +269,7 @@ def cache_facts(model: PreTrainedModel) -> CacheFacts:
 @dataclass
 class FedOutput:
     logits: torch.Tensor  # [B, N, V] (rows and nodes past the real ones are padding)
-    hidden: torch.Tensor | None  # [B, N, H] last-layer hidden states, when asked for
+    hidden: torch.Tensor | None  # [B, N, H] last-layer hidden states when asked for ([B, N, S * D]: a head's)
 
 
 class TreeCache:
@@ -317,19 +330,23 @@ class TreeCache:
         """Feed N nodes per row in ONE pass; they become pending. Every node sees its row's
         committed positions and the nodes marked in `visible` (itself included, ALGORITHMS.md 1).
         Rows and nodes are padded to their buckets; the outputs keep the padding. `logits_at`: the
-        outputs at those nodes only, [B, len(logits_at), ...] (an eager pass computes no others)."""
+        outputs at those nodes only, [B, len(logits_at), ...] (an eager pass computes no others).
+        A pass whose padding alone would not fit runs eagerly: growing the cache for padding made
+        a capacity no warm-up had met, where every expected pass then compiled (a routed chain of
+        7 nodes, padded to 8, 2 positions before a text's end: 11 graphs, 64 s in a timed run)."""
         b, n = tokens.shape
         if b != self.rows:
             raise ValueError(f"{b} rows of nodes for a cache of {self.rows} rows")
+        start = self.width + self.pending
         compiled = (
             self.compiled is not None
             and not eager
             and node_bucket(n) <= COMPILED_MAX_NODES
             and self.initialized
+            and not start + n <= self.capacity < start + node_bucket(n)
         )
         rows, nodes = self.physical_rows, node_bucket(n) if compiled else n
         keys = node_bucket(self.pending + nodes) if compiled else self.pending + nodes
-        start = self.width + self.pending
         if start + nodes > self.capacity:
             self._grow(start + nodes)
         if compiled:
@@ -348,7 +365,8 @@ class TreeCache:
             if kept is not None:
                 logits, hidden = logits[:, kept], None if hidden is None else hidden[:, kept]
         else:
-            logits, hidden = tree_pass(self.model, self.cache, *inputs, output_hidden, kept)
+            head = None if self.compiled is None else self.compiled.head_for(output_hidden)
+            logits, hidden = tree_pass(self.model, self.cache, *inputs, output_hidden, kept, head)
         self._pending_positions = fed
         self.pending += nodes
         n = n if kept is None else len(kept)

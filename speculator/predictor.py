@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -100,44 +101,43 @@ class MatchLengthPredictor(nn.Module):
         b1 = first.bias - w1 @ self.input_mean
         return w1, b1, second.weight.clone(), second.bias.clone(), last.weight.clone(), last.bias.clone()
 
-    @torch.inference_mode()
     def compiled(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`predict` for hidden states [..., H] -> [..., num_ssms, widths * depths], with the input
         standardisation folded into the first layer and no module dispatch: the scheduler calls
         it every decoding step, where a few microseconds per op add up. Frozen weights."""
-        w1, b1, w2, b2, w3, b3 = self._folded()
-        cap = self.max_length.repeat(len(self.config.widths))  # [widths * depths], b major
-        ssms = self.config.num_ssms
-
-        def predict_states(hidden: torch.Tensor) -> torch.Tensor:
-            x = F.relu(F.linear(hidden.to(w1.dtype), w1, b1))
-            x = F.relu(F.linear(x, w2, b2))
-            out = F.linear(x, w3, b3).unflatten(-1, (ssms, -1))
-            return torch.minimum(out.clamp_(min=0), cap)
-
-        return predict_states
+        head, ssms = self.head(), self.config.num_ssms
+        return lambda hidden: apply_head(hidden, head).unflatten(-1, (ssms, -1))
 
     @torch.inference_mode()
-    def on_host(self, width: int) -> Callable[[np.ndarray], np.ndarray]:
-        """`predict` of one beam width in numpy: hidden states [..., H] -> [..., num_ssms, depths],
-        frozen weights. The routed scheduler (ALGORITHMS.md 5.3) reads width 1 every step; on a CPU
-        three small matmuls in numpy cost about half of torch's calls (dispatch), and only this
-        width's rows of the last layer are computed."""
-        if width not in self.config.widths:
+    def head(self, width: int | None = None) -> PassHead:
+        """The predictor as plain tensors (`PassHead`), of one beam width or of all (None): hidden
+        states [..., H] -> [..., num_ssms * depths] (all widths: [..., num_ssms * widths * depths],
+        b major within each SSM), clamped to [0, d]. Only that width's rows of the last layer are
+        kept; the input standardisation is folded into the first layer. Frozen weights."""
+        if width is not None and width not in self.config.widths:
             raise ValueError(f"the predictor has no width {width}; its widths are {self.config.widths}")
-        w1, b1, w2, b2, w3, b3 = (t.detach().float().cpu().numpy() for t in self._folded())
-        ssms, depths = self.config.num_ssms, len(self.config.depths)
-        grid = len(self.config.widths) * depths
-        start = self.config.widths.index(width) * depths
-        outputs = (np.arange(ssms)[:, None] * grid + start + np.arange(depths)).ravel()
-        w3t, b3, cap = np.ascontiguousarray(w3[outputs].T), b3[outputs], np.asarray(self.config.depths)
-        w1t, w2t = np.ascontiguousarray(w1.T), np.ascontiguousarray(w2.T)
+        w1, b1, w2, b2, w3, b3 = self._folded()
+        ssms, widths, depths = self.config.num_ssms, len(self.config.widths), len(self.config.depths)
+        outputs = torch.arange(self.config.num_outputs).view(ssms, widths, depths)
+        if width is not None:
+            outputs = outputs[:, self.config.widths.index(width)]
+        outputs = outputs.flatten()
+        cap = self.max_length.repeat(len(outputs) // depths)  # each output's depth
+        return PassHead(*(t.float() for t in (w1, b1, w2, b2, w3[outputs], b3[outputs], cap)))
+
+    def on_host(self, width: int) -> Callable[[np.ndarray], np.ndarray]:
+        """`head(width)` in numpy: hidden states [..., H] -> [..., num_ssms, depths]. The routed
+        scheduler (ALGORITHMS.md 5.3) reads width 1 every step where its LLM's pass does not apply
+        the head itself (an eager decoder); on a CPU three small matmuls in numpy cost about half of
+        torch's calls (dispatch)."""
+        w1, b1, w2, b2, w3, b3, cap = (t.detach().float().cpu().numpy() for t in self.head(width))
+        w1t, w2t, w3t = (np.ascontiguousarray(w.T) for w in (w1, w2, w3))
+        shape = (self.config.num_ssms, len(self.config.depths))
 
         def predict_states(hidden: np.ndarray) -> np.ndarray:
             x = np.maximum(hidden.astype(np.float32, copy=False) @ w1t + b1, 0)
             x = np.maximum(x @ w2t + b2, 0)
-            out = (x @ w3t + b3).reshape(*x.shape[:-1], ssms, depths)
-            return np.clip(out, 0, cap)
+            return np.clip(x @ w3t + b3, 0, cap).reshape(*x.shape[:-1], *shape)
 
         return predict_states
 
@@ -171,3 +171,30 @@ class MatchLengthPredictor(nn.Module):
 
 def has_predictor(folder: str | Path) -> bool:
     return (Path(folder) / CONFIG_FILE).is_file()
+
+
+class PassHead(NamedTuple):
+    """`MatchLengthPredictor.head`: one width's MLP as tensors, which a model's pass takes as
+    inputs and applies to its last hidden states (`apply_head`): the routed scheduler's estimates
+    then come out of the LLM's compiled verify pass with its logits (ALGORITHMS.md 5.3, "Cost of
+    deciding"), not from a dozen host calls after it."""
+
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+    w3: torch.Tensor
+    b3: torch.Tensor
+    cap: torch.Tensor  # [S * D] each output's depth
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The sizes a compiled pass is made for: (H, hidden units, outputs)."""
+        return (*self.w1.shape[::-1], self.w3.shape[0])
+
+
+def apply_head(hidden: torch.Tensor, head: PassHead) -> torch.Tensor:
+    """[..., H] hidden states -> [..., S * D] the head's clamped estimates (float32)."""
+    x = F.relu(F.linear(hidden.float(), head.w1, head.b1))
+    x = F.relu(F.linear(x, head.w2, head.b2))
+    return torch.minimum(F.linear(x, head.w3, head.b3).clamp(min=0), head.cap)

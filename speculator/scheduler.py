@@ -76,8 +76,11 @@ class OnlineCalibration:
     `momentum`; evidence not renewed (an SSM that sat out, depths deeper than its draft) by
     IDLE_DECAY, so a discarded SSM's scale drifts back to the prior and it is tried again later.
 
-    A few [S] and [S, D] arrays: numpy on the host, where ops on tiny arrays cost ~1 us (torch's
-    several), and one copy of the [S, grid] scales to the predictor's device per step.
+    The sums are [S][D + 1] Python floats: at batch 1 every drafting step reads the scales and adds
+    one draft's evidence, right after the LLM's pass, where each numpy call on arrays this small
+    costs 10-20 us (numpy's code and data out of the CPU's caches; ALGORITHMS.md 5.3, "Cost of
+    deciding"). A batch's drafts are gathered in numpy; the learned scheduler gets one copy of the
+    [S, grid] scales on the predictor's device per step.
     """
 
     def __init__(
@@ -85,15 +88,10 @@ class OnlineCalibration:
     ) -> None:
         self.widths, self.momentum, self.device = widths, momentum, device
         self.depths = np.asarray(depths, dtype=np.float64)  # [D]
-        self._ssm = np.arange(num_ssms)
         self._grid_depth = np.tile(np.arange(len(depths)), widths)  # depth index of each grid entry
         # Column -1 holds the per-SSM sums A_i, P_i; columns 0..D-1 the per-depth A_id, P_id.
-        self.accepted = np.zeros((num_ssms, len(depths) + 1))  # [S, D + 1]
-        self.predicted = np.zeros((num_ssms, len(depths) + 1))  # [S, D + 1]
-        # One step's evidence, in the same layout (reused buffers).
-        self._renewed = np.zeros((num_ssms, len(depths) + 1), dtype=bool)
-        self._new_accepted = np.zeros((num_ssms, len(depths) + 1))
-        self._new_predicted = np.zeros((num_ssms, len(depths) + 1))
+        self.accepted = [[0.0] * (len(depths) + 1) for _ in range(num_ssms)]  # [S][D + 1]
+        self.predicted = [[0.0] * (len(depths) + 1) for _ in range(num_ssms)]  # [S][D + 1]
         self._depth_list = self.depths.tolist()
         self._grid: torch.Tensor | None = None
         self._depth: list[list[float]] | None = None
@@ -112,7 +110,7 @@ class OnlineCalibration:
         every drafting step, where a few dozen floats cost less than numpy's calls on them
         (`ChainRouter._choose_one`)."""
         if self._depth is None:
-            rows = zip(self.accepted.tolist(), self.predicted.tolist(), self.ssm_scales(), strict=True)
+            rows = zip(self.accepted, self.predicted, self.ssm_scales(), strict=True)
             self._depth = [
                 [_scale(a, p, s, DEPTH_PRIOR) for a, p in zip(aa[:-1], pp[:-1], strict=True)]
                 for aa, pp, s in rows
@@ -121,7 +119,7 @@ class OnlineCalibration:
 
     def ssm_scales(self) -> list[float]:
         """s_i [S]: accepted / predicted match of each SSM's drafts, with the prior."""
-        rows = zip(self.accepted.tolist(), self.predicted.tolist(), strict=True)
+        rows = zip(self.accepted, self.predicted, strict=True)
         return [_scale(aa[-1], pp[-1], 1.0, 1.0) for aa, pp in rows]
 
     def depth_scales(self) -> np.ndarray:
@@ -172,10 +170,8 @@ class OnlineCalibration:
         reach = np.minimum(self.depths[d_index], cap)  # [n]
         renewed = np.ones((n, depths + 1), dtype=bool)
         np.less_equal(self.depths, reach[:, None], out=renewed[:, :-1])
-        accepted, predicted_sums, renewed_ssm = self._new_accepted, self._new_predicted, self._renewed
-        accepted.fill(0)
-        predicted_sums.fill(0)
-        renewed_ssm.fill(False)
+        accepted, predicted_sums = np.zeros((2, len(self.accepted), depths + 1))
+        renewed_ssm = np.zeros(accepted.shape, dtype=bool)
         if len(set(ssm.tolist())) == n:  # one draft per SSM (always at batch 1): plain indexing
             accepted[ssm] = new_accepted * renewed
             predicted_sums[ssm] = new_predicted * renewed
@@ -185,10 +181,8 @@ class OnlineCalibration:
             np.add.at(predicted_sums, ssm, new_predicted * renewed)
             np.logical_or.at(renewed_ssm, ssm, renewed)
         decay = np.where(renewed_ssm, self.momentum, IDLE_DECAY)
-        self.accepted *= decay
-        self.accepted += accepted
-        self.predicted *= decay
-        self.predicted += predicted_sums
+        self.accepted = (np.asarray(self.accepted) * decay + accepted).tolist()
+        self.predicted = (np.asarray(self.predicted) * decay + predicted_sums).tolist()
         self._grid = self._depth = None
 
     def idle(self, steps: int = 1) -> None:
@@ -196,16 +190,19 @@ class OnlineCalibration:
         scales a stretch of bad drafts pulled down drift back to the prior while nothing drafts, and
         drafting is tried again (without it, a router that declined after bad text would never draft
         again)."""
-        self.accepted *= IDLE_DECAY**steps
-        self.predicted *= IDLE_DECAY**steps
+        self._decay(IDLE_DECAY**steps)
+
+    def _decay(self, factor: float) -> None:
+        """All evidence times `factor`."""
+        self.accepted = [[x * factor for x in row] for row in self.accepted]
+        self.predicted = [[x * factor for x in row] for row in self.predicted]
         self._grid = self._depth = None
 
     def observe_one(self, ssm: int, predicted: list[float], d_index: int, matched: float, cap: float) -> None:
-        """`observe` of one draft (every step at batch 1), in plain Python on its SSM's few entries:
-        numpy's per-call cost dominates arrays this small. Same arithmetic."""
-        self.accepted *= IDLE_DECAY
-        self.predicted *= IDLE_DECAY
-        accepted, predicted_sums = self.accepted[ssm].tolist(), self.predicted[ssm].tolist()
+        """`observe` of one draft (every step at batch 1), in plain Python: numpy's per-call cost
+        dominates arrays this small. Same arithmetic."""
+        self._decay(IDLE_DECAY)
+        accepted, predicted_sums = self.accepted[ssm], self.predicted[ssm]  # updated in place
         reach, renew = min(self._depth_list[d_index], cap), self.momentum / IDLE_DECAY
         for d, depth in enumerate(self._depth_list):
             if depth <= reach:
@@ -213,8 +210,6 @@ class OnlineCalibration:
                 predicted_sums[d] = predicted_sums[d] * renew + min(predicted[d], cap)
         accepted[-1] = accepted[-1] * renew + matched
         predicted_sums[-1] = predicted_sums[-1] * renew + min(predicted[d_index], cap)
-        self.accepted[ssm], self.predicted[ssm] = accepted, predicted_sums
-        self._grid = self._depth = None
 
 
 def check_pool_size(predictor: MatchLengthPredictor, cost_model: CostModel, num_ssms: int) -> None:

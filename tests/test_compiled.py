@@ -8,9 +8,11 @@ graphs is in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
@@ -241,6 +243,43 @@ def test_routed_scheduler_compiles_nothing_after_warmup() -> None:
     reports = generate_after_warmup(SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True))
     actions = {action for report in reports for action in report["actions"]}
     assert len(actions) > 1, actions  # the choices varied
+
+
+def test_the_routers_estimates_come_out_of_the_compiled_verify_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled routed decoder's LLM applies the router's predictor to its hidden states in the
+    verify pass (`ChainRouter.pass_head`; 5.3, "Cost of deciding"): at every step the router gets
+    the estimates, equal to its numpy predictor's on the LLM's own hidden state before the root.
+    Two decoders over one LLM share its graphs, each with its own predictor's estimates (the
+    weights are the graph's inputs, not frozen into it); the output stays `llm.generate`'s."""
+    llm, ssms, predictor = two_ssms_and_a_random_predictor(bias=0.7)
+    other = copy.deepcopy(predictor)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    cost = chain_costs(4, [[[0.1, 0.2], [0.12, 0.22]], [[0.3, 0.4], [0.35, 0.45]]])
+    seen: list[tuple[ChainRouter, torch.Tensor, list[int]]] = []
+    predict_one = ChainRouter._predict_one
+
+    def record(self: ChainRouter, state: torch.Tensor | None, texts: list[list[int]] | None) -> list:
+        if state is not None:
+            seen.append((self, state.clone(), list(texts[0])))
+        return predict_one(self, state, texts)
+
+    monkeypatch.setattr(ChainRouter, "_predict_one", record)
+    ids = torch.tensor([PROMPTS[0]])
+    expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+    for head in (predictor, other):
+        scheduler = RoutedScheduler(ssms, head, cost, calibration=None, cost_correction=None, gated=False)
+        decoder = SpeculativeDecoder(llm, ssms, speculator=scheduler, compile=True)
+        assert torch.equal(decoder.generate(ids, max_new_tokens=10).sequences, expected)
+    assert len(seen) > 4
+    for router, state, text in seen:
+        assert state.shape == (2 * 2,)  # [S * D], not the hidden state [32]
+        with torch.no_grad():
+            hidden = llm(torch.tensor([text]), output_hidden_states=True).hidden_states[-1][0, -2]
+        numpy = router.predictor.on_host(1)(hidden.numpy())
+        np.testing.assert_allclose(state.view(2, 2).numpy(), numpy, atol=1e-4)
+    assert len({id(router) for router, _, _ in seen}) == 2
 
 
 def chain_costs(rows: int, seconds: list[list[list[float]]]) -> CostModel:

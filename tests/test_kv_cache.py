@@ -330,7 +330,7 @@ def test_a_compiled_pass_runs_its_expected_shapes_once_per_rows_and_capacity() -
     shapes: list[tuple[int, int, bool]] = []
 
     def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-        shapes.append((args[2].shape[1], args[5].shape[1], args[-1]))  # nodes, keys, hidden
+        shapes.append((args[2].shape[1], args[5].shape[1], args[9]))  # nodes, keys, hidden
         return tree_pass(*args)
 
     call = CompiledPass(lambda: spy)
@@ -343,6 +343,29 @@ def test_a_compiled_pass_runs_its_expected_shapes_once_per_rows_and_capacity() -
     assert shapes == [(2, 3, False), (4, 4, True), (2, 2, False), (2, 2, False)]
     for logits in outputs[1:]:
         torch.testing.assert_close(logits, outputs[0])
+
+
+def test_a_pass_whose_padding_alone_would_not_fit_runs_eagerly() -> None:
+    """A compiled pass pads its nodes to their bucket; where only the padding would overflow the
+    cache (7 nodes, padded to 8, with 7 positions left) the pass runs eagerly at its own size and
+    the cache keeps its capacity (growing it had met a capacity no warm-up had, and compiled every
+    expected pass inside a timed run); where the padding fits, the compiled call runs."""
+    llm = llm_for("llama")
+    nodes: list[int] = []
+
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        nodes.append(args[2].shape[1])
+        return tree_pass(*args)
+
+    call = CompiledPass(lambda: spy)
+    outputs = []
+    for prompt, compiled in ((9, None), (9, call), (8, call)):
+        cache = TreeCache(llm, 1, 16, compiled)
+        cache.feed_chains([list(range(3, 3 + prompt))], eager=True)
+        outputs.append(cache.feed_chains([list(range(20, 27))]).logits)
+        assert cache.capacity == 16
+    assert nodes == [8]  # only the pass whose padding fits: 8 + 8 <= 16
+    torch.testing.assert_close(outputs[1], outputs[0])
 
 
 def test_a_compiled_pass_is_warmed_at_every_smaller_row_bucket() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import VOCAB, noisy_copy, tiny_llama
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_scheduler import DEPTHS, FAVOURS_SSM_0, SPECULATE, VERIFY, WIDTHS, constant_predictor, cost_table
 
@@ -73,14 +73,15 @@ costs = st.floats(1e-4, 1e-2)
     f=st.lists(st.floats(0, 4), min_size=4, max_size=4),
     verify=st.lists(costs, min_size=3, max_size=3),
     draft=st.lists(costs, min_size=4, max_size=4),
-    factors=st.lists(st.floats(0.5, 2.0), min_size=2, max_size=2),
+    factors=st.lists(st.floats(0.5, 2.0), min_size=3, max_size=3),
 )
+@example(f=[0.0] * 4, verify=[1e-3, 1.1e-3, 1.2e-3], draft=[1e-4] * 4, factors=[1.0, 1.0, 2.0])
 def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, draft, factors) -> None:
     """At batch 1 the rule is the argmax over plain and every (SSM, length) of expected tokens per
     second (brute force over the 5 actions); its plain-Python form chooses what the batch rule's
-    numpy form chooses at B = 1, under any corrections of the verify and the drafting costs (plain
-    steps' verify corrected as drafting steps': where plain steps' own factor is higher, the batch
-    rule's K = 0 pass declines a draft of no expected gain that the one-row rule takes)."""
+    numpy form chooses at B = 1, under any corrections of the verify and the drafting costs and of
+    plain steps' own verify (the K = 0 pass once declined, where plain steps' factor was higher, a
+    draft of no expected gain that the one-row rule takes)."""
     router = ChainRouter(
         constant_predictor([[[0.0, 0.0]] * 2] * 2),
         chain_costs([sorted(verify), sorted(verify)], [[draft[:2], draft[:2]], [draft[2:], draft[2:]]]),
@@ -91,11 +92,12 @@ def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, dra
         + [objective(router, f, np.array([i]), d) for i in range(2) for d in range(2)]
     )
     assert plan_objective(router, f) == pytest.approx(best)
-    v, g = factors
-    router.costs.factors, router.plain_costs.factors = (v, g), (v, 1.0)
+    v, g, v_plain = factors
+    router.costs.factors, router.plain_costs.factors = (v, g), (v_plain, 1.0)
     verify_s, draft_s, _ = router._costs(1)
-    one = router._choose_one(f[0].tolist(), f, np.array([100.0]), None, False)  # plain Python
-    batch = router._route(f, v * verify_s, g * draft_s, np.zeros((1, 2)))  # numpy, any batch size
+    one = router._choose_one(f[0].tolist(), f[0].tolist(), [100.0], None, False)  # plain Python
+    verify_s = np.concatenate([[v_plain * verify_s[0]], v * verify_s[1:]])
+    batch = router._route(f, verify_s, g * draft_s, np.zeros((1, 2)))  # numpy, any batch size
     assert (one.depth_index < 0) == (batch is None)
     if batch is not None:
         assert (one.ssm, one.depth_index) == (batch[0].tolist(), batch[1])
@@ -464,7 +466,7 @@ def test_the_oracle_predicts_exactly_what_greedy_verification_accepts(
     def check(self, plan, accepted, *seconds):
         for b, length in enumerate(plan.lengths):
             if length:
-                steps.append((plan.predicted[b, plan.depth_index], accepted[b]))
+                steps.append((plan.predicted[b][plan.depth_index], accepted[b]))
         return observe(self, plan, accepted, *seconds)
 
     monkeypatch.setattr(ChainRouter, "observe", check)

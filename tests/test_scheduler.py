@@ -22,7 +22,7 @@ from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import scheduler as scheduler_module
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
 from specboost.speculator.drafter import PoolDrafter
-from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
+from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig, apply_head
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.scheduler import IDLE_DECAY, LearnedScheduler, OnlineCalibration
 from specboost.speculator.shapes import BeamShape
@@ -85,8 +85,9 @@ def test_predictor_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_host_predictor_equals_predict_at_its_width(dtype: torch.dtype) -> None:
-    """`on_host(width)` (numpy, the routed scheduler's per-step call on a CPU) is `predict` at that
-    width, for hidden states of every dtype the router passes it (bfloat16 through float32)."""
+    """`on_host(width)` (numpy, the routed scheduler's per-step call on a CPU) and `head(width)`
+    (torch: what a compiled LLM pass applies to its hidden states, `apply_head`) are `predict` at
+    that width, for hidden states of every dtype the router passes it (bfloat16 through float32)."""
     config = PredictorConfig(input_size=32, num_ssms=3, hidden_size=16, widths=(1, 2), depths=(1, 4, 8))
     model = MatchLengthPredictor(config)
     model.set_input_statistics(torch.randn(50, 32) * 3 + 1)
@@ -96,6 +97,8 @@ def test_the_host_predictor_equals_predict_at_its_width(dtype: torch.dtype) -> N
         got = model.on_host(width)(h.float().numpy() if dtype == torch.bfloat16 else h.numpy())
         assert got.shape == (5, 3, 3)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        in_pass = apply_head(h.float(), model.head(width)).view(5, 3, 3).numpy()
+        np.testing.assert_allclose(in_pass, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="no width 4"):
         model.on_host(4)
 
