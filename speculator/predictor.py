@@ -118,7 +118,7 @@ class MatchLengthPredictor(nn.Module):
             raise ValueError(f"the predictor has no width {width}; its widths are {self.config.widths}")
         w1, b1, w2, b2, w3, b3 = self._folded()
         ssms, widths, depths = self.config.num_ssms, len(self.config.widths), len(self.config.depths)
-        outputs = torch.arange(self.config.num_outputs).view(ssms, widths, depths)
+        outputs = torch.arange(self.config.num_outputs, device=w3.device).view(ssms, widths, depths)
         if width is not None:
             outputs = outputs[:, self.config.widths.index(width)]
         outputs = outputs.flatten()
