@@ -9,19 +9,24 @@ so a rule that moves between plain steps and drafting, or between SSMs, pays for
 the profile's steady-state costs do not show it. The gate measures what the rule cannot model. It
 runs the routed scheduler ("on") or plain decoding with nothing decided or drafted ("off") for
 windows of `WINDOW` steps (fewer in batches, whose steps carry more tokens), keeps each regime's
-sums of tokens and wall seconds over its windows, all decayed by MOMENTUM per window of either (a
-regime's rate stays what it last measured, and a trial after a long wait is judged by what it
-measures now), and runs the regime with the higher measured rate. Exploring is paid for in
-time, not in windows: a window run in the losing regime (a trial, or the window that shows the
-evidence turned) lost what the better regime would have saved on its tokens, and the other regime
-is tried again only after the better one has run for that loss / EXPLORE_SHARE seconds (at least
-MIN_WAIT windows, at most MAX_WAIT), so exploring costs at most about EXPLORE_SHARE of the time
-whatever a trial costs. The share shrinks as trials keep losing, EXPLORE_SHARE / n after the n-th
-lost in a row (n at most MAX_STREAK), as a bandit explores less the more evidence it holds: where
-speculation never pays, the trials had cost a steady 1.5% of `learned+compiled`'s time on the quick
-fixture's greedy batch-1 prompts, 0.7-1.0% with the shrinking share.
-Trials after a count of windows (2, 4, ... 32, doubling while they lost)
-had left `learned+compiled` at 0.89x our plain loop on the quick suite's greedy batch-1 table
+sums of tokens and wall seconds over its windows, decayed by MOMENTUM per window of its own and by
+IDLE_DECAY per window of the other (a regime's rate follows its last few windows, not its last one;
+a trial after a long wait is still judged by what it measures now), and runs the regime with the
+higher measured rate. Every switch is a trial: when the running regime's rate falls below the
+other's, the other runs one window and keeps the lead only if it measures better then. Before,
+every window decayed both regimes by 0.5 and the window in which the running regime fell behind
+was charged as a lost trial: on t08-r29 (tiny fixture, T = 0.8) one slow window of the router
+(190 tokens/s against 280-400 in its others, plain decoding's last rate 219) turned it off for
+3.3 s, most of the table, where it ran 1.4x plain decoding. Exploring is paid for in time, not in
+windows: a trial that lost cost what the better regime would have saved on its tokens, and the
+other regime is tried again only after the better one has run for that loss / EXPLORE_SHARE
+seconds (at least MIN_WAIT windows, at most MAX_WAIT), so exploring costs at most about
+EXPLORE_SHARE of the time whatever a trial costs. The share shrinks as trials keep losing,
+EXPLORE_SHARE / n after the n-th lost in a row (n at most MAX_STREAK), as a bandit explores less
+the more evidence it holds: where speculation never pays, the trials had cost a steady 1.5% of
+`learned+compiled`'s time on the quick fixture's greedy batch-1 prompts, 0.7-1.0% with the
+shrinking share. Trials after a count of windows (2, 4, ... 32, doubling while they lost) had
+left `learned+compiled` at 0.89x our plain loop on the quick suite's greedy batch-1 table
 (quick-r8): a trial of the router after a stretch of plain steps first catches an SSM up on the
 stretch, eagerly, and its steps averaged 2.9-4.8 ms against an off step's 0.6 ms.
 A regime's rate stays what it last measured until it runs again, so one step timed while the
@@ -33,7 +38,7 @@ after whatever ran before the call (the quick fixture's compiled plain loop righ
 pool's call, the suite's `pruned` row: +0.42, +0.25, +0.12, +0.08 ms on steps 1-4 against
 steady steps of 0.4 ms), so a window holding a call's start measured the call before it too,
 and a trial judged on one won or lost by another program's footprint. What those steps cost is
-still charged to a window its regime lost (`unmeasured`): a call that starts while the router is
+still charged to a trial window that lost (`unmeasured`): a call that starts while the router is
 on has it catch its SSM up on the whole prompt, eagerly, in them, and on quick-r18 the greedy
 batch-1 calls that held a trial took 1.24x our plain loop's time per token while the gate, seeing
 only its measured windows, had counted 2 ms lost over the whole table (the trial windows' measured
@@ -50,7 +55,8 @@ from dataclasses import dataclass
 WINDOW = 16  # steps per measured window at batch 1; WINDOW // rows at larger batches (at least MIN_WINDOW)
 MIN_WINDOW = 4
 COLD_STEPS = 4  # a group's (a `generate` call's) first steps, not measured: they reload the caches
-MOMENTUM = 0.5  # per window (of either regime), of the older windows' evidence
+MOMENTUM = 0.75  # per window of a regime, of its older windows' evidence
+IDLE_DECAY = 0.9  # per window of the other regime, of an idle regime's evidence
 EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
 MAX_STREAK = 8  # after the n-th trial lost in a row exploring may cost EXPLORE_SHARE / min(n, MAX_STREAK)
 MIN_WAIT = 2  # windows of the better regime before the other is tried again, however cheap its trials
@@ -73,10 +79,10 @@ class Throughput:
         self.tokens += tokens
         self.seconds += seconds
 
-    def decay(self) -> None:
-        """One window passed (of either regime): older evidence weighs less against the next."""
-        self.tokens *= MOMENTUM
-        self.seconds *= MOMENTUM
+    def decay(self, factor: float) -> None:
+        """One window passed: older evidence weighs less against the next."""
+        self.tokens *= factor
+        self.seconds *= factor
 
 
 class SpeculationGate:
@@ -92,7 +98,7 @@ class SpeculationGate:
         self.since = 0  # windows of the current regime since it was chosen
         self.trial = False  # the current window tries the regime that lost last
         self.steps = {True: 0, False: 0}  # steps taken in each regime
-        self.lost = 0.0  # seconds the windows run in the losing regime cost, summed
+        self.lost = 0.0  # seconds the trials that lost cost, summed
         self._window = [0, 0.0, 0]  # tokens, seconds, steps of the window in progress
         self._unmeasured = [0.0, 0.0]  # tokens, seconds of its steps left out of its rate
 
@@ -113,8 +119,8 @@ class SpeculationGate:
         window[2] += 1
         if window[2] < self.window:
             return
-        for throughput in self.measured.values():
-            throughput.decay()
+        for regime, throughput in self.measured.items():
+            throughput.decay(MOMENTUM if regime == self.on else IDLE_DECAY)
         self.measured[self.on].add(window[0], window[1])
         unmeasured = self._unmeasured
         self._window, self._unmeasured = [0, 0.0, 0], [0.0, 0.0]
@@ -122,24 +128,26 @@ class SpeculationGate:
 
     def _choose(self, tokens: float, seconds: float) -> None:
         """After a window of `tokens` in `seconds` (its unmeasured steps included): run the better
-        regime; a window that ran the other one costs what the better would have saved on its
-        tokens, and that cost, over the exploring share, is owed in seconds of the better regime
-        before the other's next trial. The share is EXPLORE_SHARE over the trials lost in a row (at
-        most MAX_STREAK of them)."""
+        regime. A switch is a trial of the other regime; a trial that lost cost what the better
+        regime would have saved on its tokens, and that cost, over the exploring share, is owed in
+        seconds of the better regime before the other's next trial. The share is EXPLORE_SHARE
+        over the trials lost in a row (at most MAX_STREAK of them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
         if rates[other] is not None:
             best = self.on if rates[self.on] >= rates[other] else other
-            if best != self.on:  # a trial lost, or measured evidence turned: follow it, owe its cost
+            if best != self.on and self.trial:  # a trial lost: back, owing what it cost
                 loss = max(0.0, seconds - tokens / rates[best])
-                if self.trial:
-                    self.streak += 1
+                self.streak += 1
                 self.lost += loss
-                self.owed += loss * min(max(self.streak, 1), MAX_STREAK) / EXPLORE_SHARE
+                self.owed += loss * min(self.streak, MAX_STREAK) / EXPLORE_SHARE
                 self.on, self.trial, self.since = best, False, 0
                 return
-            if self.trial:  # the trial won: its regime takes over
-                self.trial, self.since, self.streak = False, 0, 0
+            if best != self.on:  # the evidence turned: a trial of the other, judged on what it measures now
+                self.on, self.trial, self.since = best, True, 0
+                return
+            if self.trial:  # the trial won: its regime takes over, owing nothing to the one it beat
+                self.trial, self.since, self.streak, self.owed = False, 0, 0, 0.0
                 return
         self.owed = max(0.0, self.owed - seconds)
         self.since += 1
@@ -149,7 +157,7 @@ class SpeculationGate:
 
     def report(self) -> dict:
         """Steps in each regime, each regime's measured rate (tokens per row per second: at batch 1
-        tokens per second) and the seconds the windows run in the losing regime cost."""
+        tokens per second) and the seconds the trials that lost cost."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         return {
             "steps_on": self.steps[True],

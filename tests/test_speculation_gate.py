@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable
 
@@ -72,14 +73,32 @@ def test_the_gate_turns_speculation_off_where_plain_decoding_is_faster() -> None
 
 def test_the_gate_keeps_speculation_where_it_pays_and_follows_a_change() -> None:
     """Speculation faster: on, with off tried as its losses allow. When the text turns and drafting
-    stops paying, the next window's evidence turns the gate off, and the window it lost keeps the
-    router from being tried again at once."""
+    stops paying, the next window's evidence turns the gate off (a trial of plain decoding, which
+    wins); the router is tried once more after MIN_WAIT windows, loses, and waits for its loss."""
     gate = SpeculationGate()
     regimes = run(gate, 40, {True: 1500.0, False: 1000.0})
     assert regimes[:3] == [True, False, True] and sum(regimes) >= 37
     regimes = run(gate, 20, {True: 400.0, False: 1000.0})
     first_off = regimes.index(False)
-    assert first_off <= 2 and sum(regimes[first_off:]) == 0
+    assert first_off <= 2
+    assert [w for w, on in enumerate(regimes) if on and w > first_off] == [first_off + 1 + MIN_WAIT]
+
+
+def test_one_slow_window_does_not_silence_a_regime_that_pays() -> None:
+    """The router pays (1.5x plain decoding) and one of its windows stalls (300 tokens/s: a page
+    fault, another process). The gate may try plain decoding, but it owes it nothing for the stalled
+    window and keeps what plain decoding owed before: the router is back within a few windows. Before,
+    the stalled window was charged as a lost trial and kept the router off for loss / EXPLORE_SHARE
+    seconds, longer than the 60 windows here (t08-r29: 3.3 s off after one slow window)."""
+    gate = SpeculationGate()
+    rate = {True: 1500.0, False: 1000.0}
+    run(gate, 40, rate)
+    while not gate.on:
+        run(gate, 1, rate)
+    for _ in range(gate.window):
+        gate.step(1, 1 / 300)
+    regimes = run(gate, 60, rate)
+    assert regimes[:12].count(True) >= 6 and sum(regimes) >= 50
 
 
 def test_a_trial_that_wins_takes_over() -> None:
@@ -96,6 +115,45 @@ def test_a_trial_that_wins_takes_over() -> None:
     assert gate.on and after.count(False) == 1  # the trial of plain decoding after MIN_WAIT windows
     assert after.index(False) == 1 + MIN_WAIT
     assert gate.streak == 1  # plain decoding's trial lost, one in a row: the router's win reset the count
+
+
+def simulate(ratio: float, seed: int, gate: SpeculationGate | None, fixed: bool = True) -> float:
+    """Tokens per second of a noisy workload decoded by `gate` (or by one regime, `fixed`, where
+    the gate is None): 48 calls of 48 tokens; plain steps of 4 ms emit 1 token, the router's emit
+    about 4 (more or fewer per call: content, 20%) in the time that makes its rate `ratio` x plain
+    decoding's; a machine speed that drifts (15%); the router's first step after plain ones
+    catches its SSM up (2 ms + 0.05 ms per token behind); a stall of 30-120 ms on 0.3% of steps."""
+    rng = random.Random(seed)
+    speed, behind, tokens, seconds = 0.0, 0, 0, 0.0
+    for _ in range(48):
+        content, left, steps = math.exp(rng.gauss(0, 0.2)), 48, 0
+        while left:
+            speed = 0.97 * speed + rng.gauss(0, 0.15 * math.sqrt(1 - 0.97**2))
+            on = fixed if gate is None else gate.on
+            if on:
+                emitted = 1 + min(8, max(0, round(rng.gauss(4 * content - 1, 2))))
+                catch_up = 0.002 + 5e-5 * behind if behind else 0.0
+                took = 0.016 / ratio * math.exp(speed + rng.gauss(0, 0.1)) + catch_up
+                behind = 0
+            else:
+                emitted, took, behind = 1, 0.004 * math.exp(speed + rng.gauss(0, 0.05)), behind + 1
+            took += rng.uniform(0.03, 0.12) if rng.random() < 0.003 else 0.0
+            emitted, left, steps = min(emitted, left), left - min(emitted, left), steps + 1
+            if gate is not None:
+                (gate.step if steps > COLD_STEPS else gate.unmeasured)(emitted, took)
+            tokens, seconds = tokens + emitted, seconds + took
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("ratio", [0.6, 1.4])
+def test_noisy_windows_cost_little(ratio: float) -> None:
+    """On the simulated noisy workload (`simulate`), the gate keeps within 7% of the better fixed
+    regime on average over seeds, where speculation loses (0.6x) and where it pays (1.4x): 0.94 and
+    0.97 (over 40 seeds 0.944 and 0.990; 0.910 and 0.983 before a turned window stopped owing and
+    rates kept their last few windows, ALGORITHMS.md 5.4)."""
+    best = [max(simulate(ratio, seed, None, on) for on in (True, False)) for seed in range(12)]
+    shares = [simulate(ratio, seed, SpeculationGate()) / best[seed] for seed in range(12)]
+    assert sum(shares) / len(shares) >= 0.93
 
 
 def test_a_costly_trial_waits_at_most_max_wait_windows() -> None:
