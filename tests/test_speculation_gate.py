@@ -86,8 +86,8 @@ def test_the_gate_keeps_speculation_where_it_pays_and_follows_a_change() -> None
 
 def test_one_slow_window_does_not_silence_a_regime_that_pays() -> None:
     """The router pays (1.5x plain decoding) and one of its windows stalls (300 tokens/s: a page
-    fault, another process). The gate may try plain decoding, but it owes it nothing for the stalled
-    window and keeps what plain decoding owed before: the router is back within a few windows. Before,
+    fault, another process). The gate may try plain decoding, but the stalled window owes nothing
+    and a trial that wins clears what was owed: the router is back within a few windows. Before,
     the stalled window was charged as a lost trial and kept the router off for loss / EXPLORE_SHARE
     seconds, longer than the 60 windows here (t08-r29: 3.3 s off after one slow window)."""
     gate = SpeculationGate()
