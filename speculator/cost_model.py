@@ -12,7 +12,8 @@ the stacked step's share (`pool_factor`) rather than the sum. All in seconds, me
 The chain tables cost the routed scheduler's actions (ALGORITHMS.md section 5.3) at several batch
 sizes: `chain_verify_time(rows, n)` is one LLM pass over `rows` rows of an n-node chain (root
 included), `chain_draft_time(ssm, rows, d)` one SSM's `BatchedChainDrafter` drafting a chain of d
-tokens for `rows` rows (a catch-up pass of one token, then a pass per further token). Both are
+tokens for `rows` rows (a catch-up pass of one token, then a pass per further token: affine in d,
+and read as the line closest to the measured depths, `affine_in_depth`). Both are
 piecewise-linear between the measured sizes and extended linearly past the largest. A profile
 measured with `--compile` holds them on the compiled loop too, where their ratios differ (a
 compiled one-token pass is cheaper next to a longer one than an eager one is). The sampled chain
@@ -149,8 +150,7 @@ class CostModel:
             self.chain_seconds,
         ]
         for i, per_batch in enumerate(next(t for t in measured if t)):
-            per_batch = np.asarray(per_batch, float)  # [batch, depth]
-            per_batch = np.stack([nondecreasing(y) for y in per_batch])
+            per_batch = np.stack([affine_in_depth(self.chain_depths, y) for y in per_batch])  # [batch, depth]
             for j in range(per_batch.shape[1]):
                 table[i, 1:, j] = extrapolated(rows, self.batch_sizes, per_batch[:, j])
         return table
@@ -184,6 +184,27 @@ def nondecreasing(seconds: list[float] | np.ndarray) -> np.ndarray:
     (a one-token compiled verify pass of the tiny fixture's LLM: 2.0 ms profiled, 1.4 ms in the
     loop, under its two-token pass's 1.4 ms)."""
     return np.minimum.accumulate(np.asarray(seconds, float)[::-1])[::-1]
+
+
+def affine_in_depth(depths: list[int], seconds: list[float] | np.ndarray) -> np.ndarray:
+    """A drafting table over chain depths, as the line a + b d (a, b >= 0) closest to it in relative
+    error (ALGORITHMS.md 5.3, "Costs"): a chain of d tokens is a catch-up pass and d - 1 one-token
+    passes, so its time is affine in d, and each measured depth is a noisy sample of that line.
+    Taken one by one, a profile's depths had misled the router: on the tiny fixture's sampled
+    profile a chain of 8 measured 1.35x a chain of 4 where the loop takes 1.70x (6.44 against 4.77
+    ms; 10.2 against 6.0 in the loop); three fresh profiles measured 1.43x, 1.65x and 1.72x, and
+    their fits 1.70x, 1.73x and 1.71x. Fewer than three depths: made `nondecreasing` only."""
+    d, y = np.asarray(depths, float), np.asarray(seconds, float)
+    if len(d) < 3 or not (y > 0).all():
+        return nondecreasing(y)
+    rows = np.stack([1 / y, d / y], 1)  # (a + b d) / y - 1: the relative error at each depth
+    candidates = [np.linalg.lstsq(rows, np.ones_like(y), rcond=None)[0]]
+    for column in (0, 1):  # the best line with the other coefficient at 0 (its bound)
+        x = rows[:, column]
+        candidates.append(np.eye(2)[column] * max(x.sum() / (x @ x), 0.0))
+    feasible = [c for c in candidates if (c >= 0).all()]
+    a, b = min(feasible, key=lambda c: float(np.sum((rows @ c - 1) ** 2)))
+    return a + b * d
 
 
 def extrapolated(x: float | np.ndarray, xs: list[int], ys: list[float] | np.ndarray) -> np.ndarray:

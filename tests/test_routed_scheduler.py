@@ -22,7 +22,7 @@ from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import chain_router
 from specboost.speculator.chain_router import NO_SSM, ChainRouter, DecisionPacing, Stretches
-from specboost.speculator.cost_model import CostModel
+from specboost.speculator.cost_model import CostModel, affine_in_depth
 from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.padding import left_pad
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
@@ -406,6 +406,59 @@ def test_a_smaller_pass_never_costs_more_than_a_larger_one() -> None:
     assert cost.chain_verify_time(1, np.array([1, 2, 5])) == pytest.approx([1.4e-3, 1.4e-3, 1.8e-3])
     assert cost.chain_verify_time(8, np.array([1, 2, 5])) == pytest.approx([3.7e-3, 3.7e-3, 4.2e-3])
     assert cost.chain_draft_table(1)[0, 1] == pytest.approx([0.9e-3, 0.9e-3])
+
+
+def test_a_noisy_drafting_table_is_read_as_a_line_in_depth() -> None:
+    """The tiny fixture's sampled profile (SSM 0, batch 1) measured a chain of 8 at 1.35x a chain
+    of 4 where the loop takes 1.70x; read one depth at a time, a chain of 8 looked as good as one
+    of 4 at acceptance 0.78 and the router chose it. As the line closest to the five depths
+    (`cost_model.affine_in_depth`) it costs 1.62x, and the router drafts 4."""
+    depths, ms = [1, 2, 4, 8, 16], 1e-3
+    drafting = [2.21 * ms, 3.73 * ms, 4.77 * ms, 6.44 * ms, 13.86 * ms]
+    verify = [3.45 * ms, 4.37 * ms, 5.09 * ms, 4.70 * ms, 5.45 * ms, 6.70 * ms]  # 1, 2, 3, 5, 9, 17 nodes
+    cost = CostModel(
+        "test|float64",
+        [1],
+        [verify[0]],
+        [{}],
+        [0.001],
+        batch_sizes=[1, 8],
+        chain_nodes=[1, *(1 + d for d in depths)],
+        chain_verify_seconds=[verify, verify],
+        chain_depths=depths,
+        chain_seconds=[[drafting, drafting]],
+    )
+    table = cost.chain_draft_table(1)[0, 1]
+    assert np.diff(table) / np.diff(depths) == pytest.approx([(table[-1] - table[0]) / 15] * 4)
+    assert 1.55 < table[3] / table[2] < 1.7
+    config = PredictorConfig(input_size=32, num_ssms=1, widths=(1,), depths=tuple(depths))
+    router = ChainRouter(MatchLengthPredictor(config).eval(), cost, None, None)
+    f = np.array([[[0.78 * (1 - 0.78**d) / 0.22 for d in depths]]])  # geometric acceptance, 0.78
+    score = {d: (1 + f[0, 0, k]) / (verify[k + 1] + drafting[k]) for k, d in enumerate(depths)}
+    assert max(score, key=score.get) == 8  # the measured depths, one at a time
+    assert router.choose(f, f, np.array([100.0])).lengths == [4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(0, 1e-2),
+    st.floats(0, 1e-3),
+    st.lists(st.integers(1, 64), min_size=3, max_size=8, unique=True),
+    st.lists(st.floats(0.5, 2.0), min_size=8, max_size=8),
+)
+def test_a_drafting_table_fit_is_a_nondecreasing_line(
+    a: float, b: float, depths: list[int], noise: list[float]
+) -> None:
+    """A table that is a line a + b d is kept as it is; any positive table becomes a line that
+    never falls with depth."""
+    d = np.sort(np.asarray(depths, float))
+    if a + b * d[0] > 1e-6:
+        assert affine_in_depth(d.tolist(), a + b * d) == pytest.approx(a + b * d, rel=1e-6)
+    noisy = affine_in_depth(d.tolist(), (a + b * d + 1e-4) * np.asarray(noise[: len(d)]))
+    assert (noisy > 0).all() and (np.diff(noisy) >= -1e-15).all()
+    assert np.diff(noisy) / np.diff(d) == pytest.approx(
+        [(noisy[-1] - noisy[0]) / (d[-1] - d[0])] * (len(d) - 1)
+    )
 
 
 def test_unknown_actions_are_refused() -> None:
