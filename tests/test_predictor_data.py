@@ -123,6 +123,40 @@ def test_outputs_distillation_dropped_are_labelled_too(setup, tmp_path: Path) ->
     assert set(load_labels(tmp_path / "labels")["id"]) == set(range(len(rows)))
 
 
+def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp_path: Path) -> None:
+    """With a temperature, a width-1 label is sum_k prod_{j < k} (1 - TV(p, q)) at the chain's
+    positions, teacher-forced along the sample (computed here position by position, one prefix per
+    forward pass); an SSM equal to the LLM accepts every token (the label is the depth); wider
+    beams keep their greedy labels."""
+    llm_dir, ssms, distilled = setup
+    temperature = 0.7
+    sampled = PredictorDataConfig(llm_dir, tuple(ssms), distilled, depths=DEPTHS, temperature=temperature)
+    metadata = collect(sampled, tmp_path / "sampled")
+    collect(PredictorDataConfig(llm_dir, tuple(ssms), distilled, depths=DEPTHS), tmp_path / "greedy")
+    labels, greedy = load_labels(tmp_path / "sampled"), load_labels(tmp_path / "greedy")
+    assert metadata["rule"] == "sampled at temperature 0.7"
+    match, greedy_match = torch.tensor(labels["match"]), torch.tensor(greedy["match"])
+    assert torch.equal(match[:, :, 1:], greedy_match[:, :, 1:].float())
+    assert torch.allclose(match[:, 0, 0], torch.tensor(DEPTHS, dtype=torch.float32), atol=1e-5)
+    llm, ssm = AutoModelForCausalLM.from_pretrained(llm_dir), AutoModelForCausalLM.from_pretrained(ssms[1])
+    table = {r["id"]: r for r in pq.read_table(Path(distilled) / "data.parquet").to_pylist()}
+    for row in list(labels)[:: max(1, len(labels) // 5)]:
+        sequence, t = table[row["id"]]["prompt_ids"] + table[row["id"]]["output_ids"], row["position"]
+        accept = []
+        for j in range(t, t + max(DEPTHS)):
+            with torch.no_grad():
+                p = torch.softmax(llm(torch.tensor([sequence[: j + 1]])).logits[0, -1] / temperature, -1)
+                q = torch.softmax(ssm(torch.tensor([sequence[: j + 1]])).logits[0, -1] / temperature, -1)
+            accept.append(float(torch.minimum(p, q).sum()))
+        expected = torch.tensor(accept).cumprod(0).cumsum(0)[[d - 1 for d in DEPTHS]]
+        assert torch.allclose(torch.tensor(row["match"])[1, 0], expected, atol=1e-4)
+    assert (match[:, 1, 0] < match[:, 0, 0]).all()  # the one-layer SSM accepts less than the LLM's copy
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        PredictorDataConfig(llm_dir, tuple(ssms), distilled, temperature=0.0)
+    with pytest.raises(ValueError, match="add width 1"):
+        PredictorDataConfig(llm_dir, tuple(ssms), distilled, widths=(2,), temperature=0.8)
+
+
 def test_collect_resumes_after_a_kill_without_loss_or_duplicates(
     setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

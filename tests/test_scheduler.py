@@ -126,6 +126,7 @@ def test_training_beats_the_constant_baseline_on_learnable_labels(tmp_path: Path
         labels, tmp_path / "predictor", TrainPredictorConfig(max_epochs=60, hidden_size=32)
     )
     assert record["mae"] < 0.5 * record["baseline_mae"]
+    assert record["rule"] == "greedy"  # labels' metadata without a rule: the greedy match
     assert {c["depth"] for c in record["per_config"]} == set(DEPTHS)
     predictor = MatchLengthPredictor.from_pretrained(tmp_path / "predictor")
     assert predictor.config.depths == DEPTHS and predictor.config.ssms == ("ssm",)

@@ -419,6 +419,7 @@ RECORDED_ARGV = {
         *("specboost.training.predictor_data", "--llm", LLM, "--ssm"),
         *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
         *("--distilled", f"{SMALL}/distill/{PREDICTOR_DATA}", "--out", f"{SMALL}/predictor-data-sampled"),
+        *("--temperature", "0.8"),  # the sampled rule (ALGORITHMS.md 5): rebuilds from here on
     ],
     "predictor-sampled": [
         *("specboost.training.train_predictor", "--labels", f"{SMALL}/predictor-data-sampled"),

@@ -16,9 +16,10 @@ export; then the generalist, the baseline the specialists must beat: one SSM boo
 greedily on the same data for as many steps as the whole pool took -> its export (a pool of one
 SSM, no predictor or profile: the suite's `generalist` rows run its chain); then the pool for
 sampling: sampled distillation data on the pool's mix (the LLM's top-K distributions at the
-sampling temperature) -> a pool boosted for sampling on them -> its predictor labels (its SSMs'
-greedy match lengths on the second mix; the learned scheduler's online correction, fed by
-sampled acceptance, scales them to sampling: ALGORITHMS.md 5.1, 5.3) -> its predictor -> its
+sampling temperature) -> a pool boosted for sampling on them -> its predictor labels (on the
+second mix, its SSMs' sampled chains' expected acceptance at the profile's sampling temperature,
+the sampled rule of ALGORITHMS.md 5; greedy match lengths had ranked its SSMs otherwise than
+their sampled chains accept) -> its predictor -> its
 hardware profile (`specboost profile`) -> its export (no Sequoia vectors). Distillation folders
 and steps are named as `distill` names a run (`default_out_name`: the sets joined with "+").
 Everything but the reference LLM goes into the cache folder ARTIFACTS/bench-fixture/<fixture>.
@@ -51,6 +52,7 @@ from specboost.decoder import cli
 from specboost.decoder.bench.configurations import resolve_suite
 from specboost.decoder.bench.suite import FIXTURE_RECORD, SuiteConfig
 from specboost.decoder.pool import MANIFEST_FILE
+from specboost.decoder.profiler import SAMPLED_TEMPERATURE
 from specboost.speculator.cost_model import PROFILE_FILE
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE
 from specboost.training.distill import default_out_name
@@ -208,12 +210,14 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
 
     reference_llm = _module("training.reference_llm", "--preset", spec.preset, "--out", str(paths.llm.parent))
 
-    def predictor_steps(boosted: Path, models: list[str], labels: Path, suffix: str = "") -> list[Step]:
+    def predictor_steps(
+        boosted: Path, models: list[str], labels: Path, suffix: str = "", flags: tuple[str, ...] = ()
+    ) -> list[Step]:
         """Labels (each SSM's true match lengths after the predictor prompts) and the predictor."""
         data = _module(
             "training.predictor_data",
             *("--llm", llm, "--ssm", *models, "--distilled", str(distilled[spec.predictor_prompts])),
-            *("--out", str(labels)),
+            *("--out", str(labels), *flags),
         )
         train = _module(
             "training.train_predictor", "--labels", str(labels), "--out", str(boosted / "predictor")
@@ -283,7 +287,13 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             sampled / "boost_record.json",
             speed,
         ),
-        *predictor_steps(sampled, sampled_ssms, paths.cache / "predictor-data-sampled", "-sampled"),
+        *predictor_steps(
+            sampled,
+            sampled_ssms,
+            paths.cache / "predictor-data-sampled",
+            "-sampled",
+            ("--temperature", str(SAMPLED_TEMPERATURE)),  # the sampled chains' acceptance, as profiled
+        ),
         Step("profile-sampled", profile(sampled, sampled_ssms, True), sampled / PROFILE_FILE),
         export(sampled, paths.sampled_export, "-sampled"),
     ]

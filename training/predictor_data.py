@@ -12,6 +12,16 @@ root of the next tree) it records
   of shape (b, d) after x_0..x_t against the LLM's greedy continuation (greedy rule: the longest
   beam prefix the LLM accepts). Shape [num_ssms, len(widths), len(depths)].
 
+With `--temperature T` (the sampled rule, for a pool that serves sampled requests) the width-1
+labels are instead what a sampled chain of d tokens gets accepted in expectation under speculative
+sampling at temperature T (ALGORITHMS.md 5.1): with a_j = sum_v min(p_j(v), q_j(v)) = 1 - TV, the
+chance that the token drafted at position j is accepted, p and q the LLM's and the SSM's
+temperature-T distributions teacher-forced along the sample, the label is
+sum_{k=1..d} prod_{j=t..t+k-1} a_j. The router drafts sampled chains at T > 0 and routes by these
+labels; the greedy match of an SSM's argmax chain ranks SSMs by something else (on the tiny
+fixture's sampled pool it put SSM 2 at or above SSM 0, whose 1 - TV and fixed chains are the
+best). Wider beams keep the greedy rule: the beam scheduler drafts deterministic beams.
+
 The LLM's greedy continuation comes from one teacher-forced pass over the sample: r_1 is the
 LLM's argmax after x_t, r_2 its argmax after x_{t+1}, ... as long as r_j = x_{t+j}; where the
 sample leaves the LLM's greedy path (sampled distillation data, numerical ties) the continuation
@@ -70,8 +80,13 @@ class PredictorDataConfig:
     max_samples: int | None = None
     only_ids: tuple[int, ...] | None = field(default=None)  # sample ids to use (e.g. a boost hold-out)
     shard_size: int = 16  # samples per shard
+    temperature: float | None = None  # the sampled rule's temperature (width 1); None: greedy rule
 
     def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (or unset: the greedy rule), got {self.temperature}")
+        if self.temperature is not None and 1 not in self.widths:
+            raise ValueError(f"the sampled rule labels width 1; the widths are {self.widths}: add width 1")
         if not self.ssms:
             raise ValueError("give at least one SSM (--ssm PATH ...)")
         if self.stride < 1 or self.max_positions_per_sample < 1 or self.shard_size < 1:
@@ -101,11 +116,38 @@ def greedy_reference(
 
 
 @torch.no_grad()
-def llm_pass(llm: PreTrainedModel, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Last-layer hidden states [T, H] and greedy choices [T] of one teacher-forced pass."""
+def llm_pass(llm: PreTrainedModel, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Last-layer hidden states [T, H], greedy choices [T] and logits [T, V] of one teacher-forced
+    pass."""
     ids = torch.tensor([sequence], device=llm.device)
     out = llm(input_ids=ids, output_hidden_states=True)
-    return out.hidden_states[-1][0].float().cpu(), out.logits[0].argmax(-1).cpu()
+    logits = out.logits[0].float()
+    return out.hidden_states[-1][0].float().cpu(), logits.argmax(-1).cpu(), logits
+
+
+@torch.no_grad()
+def sampled_chain_acceptance(
+    llm_logits: torch.Tensor,
+    ssm: PreTrainedModel,
+    sequence: list[int],
+    roots: list[int],
+    depths: tuple[int, ...],
+    temperature: float,
+) -> torch.Tensor:
+    """[len(roots), len(depths)] the sampled rule's labels (module doc): the expected accepted
+    length of a sampled chain of d tokens after each root, from a_j = 1 - TV(p_j, q_j) teacher-forced
+    along `sequence`. Positions past the sequence's end accept nothing."""
+    ids = torch.tensor([sequence], device=ssm.device)
+    q = torch.softmax(ssm(input_ids=ids).logits[0].float().to(llm_logits.device) / temperature, -1)
+    p = torch.softmax(llm_logits / temperature, -1)
+    accept = torch.minimum(p, q).sum(-1).cpu()  # [T] a_j: the token after position j is accepted
+    depth = max(depths)
+    window = torch.zeros(len(roots), depth)
+    for row, t in enumerate(roots):
+        known = accept[t : t + depth]
+        window[row, : len(known)] = known
+    expected = window.cumprod(1).cumsum(1)  # [P, depth] sum over k <= d of prod_{j < k} a_{t+j}
+    return expected[:, [d - 1 for d in depths]]
 
 
 # ---------------------------------------------------------------- one sample
@@ -120,7 +162,7 @@ def sample_rows(
 ) -> tuple[list[dict[str, Any]], int]:
     """The label rows of one distilled sample, and how many candidate positions were skipped."""
     sequence = sample["prompt_ids"] + sample["output_ids"]
-    hidden, choices = llm_pass(llm, sequence)
+    hidden, choices, logits = llm_pass(llm, sequence)
     tokens, depth = torch.tensor(sequence), max(config.depths)
     first = max(1, len(sample["prompt_ids"]) - 1)  # the first root; it needs a state before it
     candidates = list(range(first, len(sequence) - 1, config.stride))[: config.max_positions_per_sample]
@@ -147,6 +189,12 @@ def sample_rows(
         ],
         1,
     )  # [P, num_ssms, widths, depths]
+    if config.temperature is not None:
+        match, chain = match.float(), config.widths.index(1)
+        for i, ssm in enumerate(ssms):
+            match[:, i, chain] = sampled_chain_acceptance(
+                logits, ssm, sequence, kept, config.depths, config.temperature
+            )
     rows = [
         {"id": sample["id"], "position": t, "hidden": hidden[t - 1].tolist(), "match": match[i].tolist()}
         for i, t in enumerate(kept)
@@ -231,7 +279,7 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
     dataset = save_dataset(rows, out)
     metadata = {
         "config": asdict(config),
-        "rule": "greedy",
+        "rule": "greedy" if config.temperature is None else f"sampled at temperature {config.temperature}",
         "label_shape": ["ssm", "width", "depth"],
         "rows": len(dataset),
         "samples": len({r["id"] for r in rows}),
@@ -273,6 +321,12 @@ def parse_args(argv: list[str] | None) -> tuple[PredictorDataConfig, Path]:
         "--held-out-of", type=Path, metavar="BOOST_DIR", help="only the samples that boost run held out"
     )
     p.add_argument("--shard-size", type=int, default=16, help="samples per shard")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="label width-1 chains by their expected accepted length under speculative sampling "
+        "at this temperature (a pool for sampled requests); default: the greedy match",
+    )
     p.add_argument("--threads", type=int, help="torch threads")
     a = p.parse_args(argv)
     if a.threads:
@@ -291,6 +345,7 @@ def parse_args(argv: list[str] | None) -> tuple[PredictorDataConfig, Path]:
         max_samples=a.max_samples,
         only_ids=only_ids,
         shard_size=a.shard_size,
+        temperature=a.temperature,
     )
     return config, a.out
 

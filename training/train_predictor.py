@@ -159,6 +159,7 @@ def train_predictor(labels: Path, out: Path, config: TrainPredictorConfig) -> di
     model.save_pretrained(out)
     record = {
         "labels": str(labels),
+        "rule": metadata.get("rule", "greedy"),  # what the labels measure (`predictor_data --temperature`)
         "config": asdict(config),
         "rows": {"train": len(train), "validation": len(valid)},
         "epochs": len(history),
