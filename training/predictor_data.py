@@ -14,7 +14,7 @@ root of the next tree) it records
 
 With `--temperature T` (the sampled rule, for a pool that serves sampled requests) the width-1
 labels are instead what a sampled chain of d tokens gets accepted in expectation under speculative
-sampling at temperature T (ALGORITHMS.md 5.1): with a_j = sum_v min(p_j(v), q_j(v)) = 1 - TV, the
+sampling at temperature T (ALGORITHMS.md 5): with a_j = sum_v min(p_j(v), q_j(v)) = 1 - TV, the
 chance that the token drafted at position j is accepted, p and q the LLM's and the SSM's
 temperature-T distributions teacher-forced along the sample, the label is
 sum_{k=1..d} prod_{j=t..t+k-1} a_j. The router drafts sampled chains at T > 0 and routes by these
