@@ -61,6 +61,7 @@ from specboost.speculator.beam_search import beam_match_lengths
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.model_info import check_model_location
 from specboost.speculator.predictor import DEPTHS, WIDTHS
+from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.training.distill import load_distilled
 from specboost.training.run_files import library_versions, write_json_atomic
 from specboost.training.run_shards import claim_run_folder, read_shards, write_shard
@@ -121,25 +122,24 @@ def llm_pass(llm: PreTrainedModel, sequence: list[int]) -> tuple[torch.Tensor, t
     pass."""
     ids = torch.tensor([sequence], device=llm.device)
     out = llm(input_ids=ids, output_hidden_states=True)
-    logits = out.logits[0].float()
-    return out.hidden_states[-1][0].float().cpu(), logits.argmax(-1).cpu(), logits
+    return out.hidden_states[-1][0].float().cpu(), out.logits[0].argmax(-1).cpu(), out.logits[0]
 
 
 @torch.no_grad()
 def sampled_chain_acceptance(
-    llm_logits: torch.Tensor,
+    p: torch.Tensor,
     ssm: PreTrainedModel,
     sequence: list[int],
     roots: list[int],
     depths: tuple[int, ...],
-    temperature: float,
+    probs: LogitsToProbs,
 ) -> torch.Tensor:
     """[len(roots), len(depths)] the sampled rule's labels (module doc): the expected accepted
     length of a sampled chain of d tokens after each root, from a_j = 1 - TV(p_j, q_j) teacher-forced
-    along `sequence`. Positions past the sequence's end accept nothing."""
+    along `sequence`; `p` [T, V] is the LLM's distributions and `probs` makes the SSM's alike.
+    Positions past the sequence's end accept nothing."""
     ids = torch.tensor([sequence], device=ssm.device)
-    q = torch.softmax(ssm(input_ids=ids).logits[0].float().to(llm_logits.device) / temperature, -1)
-    p = torch.softmax(llm_logits / temperature, -1)
+    q = probs(ssm(input_ids=ids).logits[0].to(p.device))
     accept = torch.minimum(p, q).sum(-1).cpu()  # [T] a_j: the token after position j is accepted
     depth = max(depths)
     window = torch.zeros(len(roots), depth)
@@ -191,10 +191,10 @@ def sample_rows(
     )  # [P, num_ssms, widths, depths]
     if config.temperature is not None:
         match, chain = match.float(), config.widths.index(1)
+        probs = LogitsToProbs(SamplingConfig(do_sample=True, temperature=config.temperature))
+        p = probs(logits)  # [T, V], once for every SSM
         for i, ssm in enumerate(ssms):
-            match[:, i, chain] = sampled_chain_acceptance(
-                logits, ssm, sequence, kept, config.depths, config.temperature
-            )
+            match[:, i, chain] = sampled_chain_acceptance(p, ssm, sequence, kept, config.depths, probs)
     rows = [
         {"id": sample["id"], "position": t, "hidden": hidden[t - 1].tolist(), "match": match[i].tolist()}
         for i, t in enumerate(kept)
