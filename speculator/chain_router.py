@@ -97,7 +97,7 @@ class ChainRouter:
                 raise ValueError(f"{name} is a momentum in [0, 1) (or None: off), got {momentum}")
         self.num_ssms = c.num_ssms
         self.depths = np.asarray(c.depths)
-        self._depths = list(c.depths)
+        self._depths = list(c.depths)  # as Python ints: read every step, where numpy scalars cost more
         self.predictor = predictor
         self._head = predictor.head(1)
         if self._head.w1.device.type == "cuda":  # a CUDA graph reads them in place, not copied per replay
