@@ -486,19 +486,28 @@ def test_pacing_spaces_out_decisions_while_they_decline() -> None:
 
 def test_a_router_that_declines_decides_rarely(monkeypatch: pytest.MonkeyPatch) -> None:
     """A predictor that expects nothing: every step is plain, and the predictor runs in about one
-    step of nine (the output is still the LLM's)."""
+    step of nine, and the LLM's pass returns its hidden states only before those steps (the output
+    is still the LLM's)."""
     llm = tiny_llama(layers=2, seed=0)
     decoder = routed_decoder(llm, [tiny_llama(layers=1, seed=1)], constant_predictor([[[0.0, 0.0]] * 2]))
     decoder.speculator.router.costs = None  # a made-up profile: keep its costs (5.2)
-    calls = []
+    calls, states = [], []
     predict = ChainRouter.predict
     monkeypatch.setattr(ChainRouter, "predict", lambda self, *args: calls.append(1) or predict(self, *args))
+    verifier = type(decoder.verifier)
+    verify = verifier.verify
+    monkeypatch.setattr(
+        verifier,
+        "verify",
+        lambda self, cache, rows, keep, *args: states.append(keep) or verify(self, cache, rows, keep, *args),
+    )
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     out = decoder.generate(prompt, max_new_tokens=60)
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
     assert (
         out.stats.strategy["actions"] == {"plain": 60} and len(calls) == 9
     )  # steps 0, 2, 5, 10, 19, 28, ..., 55
+    assert len(states) == 60 and [i for i, keep in enumerate(states) if keep] == [1, 4, 9, 18, 27, 36, 45, 54]
 
 
 def test_the_oracle_predicts_exactly_what_greedy_verification_accepts(
