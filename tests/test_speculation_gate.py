@@ -244,16 +244,18 @@ def test_declining_through_the_gate_is_lossless_and_mostly_off() -> None:
 
 
 def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
-    """While the gate is off the LLM's passes skip the hidden states; the first step after it turns
-    on has none and is a plain step, every later one reads the state of the text as it is (none is
-    left over from an earlier pass), in a batch as in one sequence."""
+    """While the gate is off (or the router's plain steps are spaced out) the LLM's passes skip the
+    hidden states; the first step after the gate turns on has none and is a plain step, every later
+    step the router decides reads the state of the text as it is (none is left over from an
+    earlier pass), in a batch as in one sequence."""
     llm, decoder = drafting_in_vain()
-    steps = []  # per step: the gate's regime, and which rows have a hidden state
+    steps = []  # per step: the gate's regime, which rows have a state, levels, whether the router decides
     propose = RoutedDrafting.propose
 
     def recorded(self, rows, *args):
+        decides = not self.pacing.wait  # else a spaced-out plain step, which reads no state
         drafted = propose(self, rows, *args)
-        steps.append((self._gate.on, [row.hidden is not None for row in rows], self.levels(0)))
+        steps.append((self._gate.on, [row.hidden is not None for row in rows], self.levels(0), decides))
         return drafted
 
     monkeypatch.setattr(RoutedDrafting, "propose", recorded)
@@ -264,12 +266,12 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
             alone = llm.generate(prompts[b : b + 1], max_new_tokens=120, do_sample=False)
             assert torch.equal(out.sequences[b], alone[0])
         after_off = False  # the prompt's pass returns the states
-        for on, known, levels in steps:
-            if on:
+        for on, known, levels, decides in steps:
+            if on and decides:
                 assert known == [not after_off] * len(known)
                 assert levels == 0 or not after_off  # no state: a plain step
             after_off = not on
-        assert any(on and not known[0] for on, known, _ in steps)  # the gate did turn on again
+        assert any(on and not known[0] for on, known, *_ in steps)  # the gate did turn on again
         steps.clear()
         (gate,) = decoder.speculator.gates.values()
         assert gate.steps[False] > 0
