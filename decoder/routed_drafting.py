@@ -1,8 +1,8 @@
 """The routed scheduler drafting for the rows of a batch (ALGORITHMS.md sections 5.3 and 11).
 
-One `ChainRouter` decision per step for the whole group (spaced out while it declines:
-`DecisionPacing`) (the rows' hidden states through the
-predictor in one call, then the batch rule: the length, the SSMs that draft, K = 0 per row or for
+One `ChainRouter` decision per step for the whole group (spaced out while it declines or repeats
+itself: `DecisionPacing`) (the rows' hidden states through the predictor in one call, then the
+batch rule: the length, the SSMs that draft, K = 0 per row or for
 the whole batch), then each chosen SSM drafts the chains of its rows in one `BatchedChainDrafter`
 pass per chain position. Greedy rows' chains stay on the device until the verifier reads them back
 with its verdicts; a group with sampled rows (or logits processors) gets host trees, verified by
@@ -61,6 +61,7 @@ class RoutedDrafting:
 
     def retain(self, rows: list[SequenceState], keep: list[int]) -> None:
         self.chains.select(keep)
+        self.pacing.select(keep)
         self.records = [self.records[i] for i in keep]
         self._warm([rows[i] for i in keep])
 
@@ -71,8 +72,9 @@ class RoutedDrafting:
 
     def wants_hidden(self) -> bool:
         """Whether this step's verification must return the hidden states: only while the gate is
-        on, and only when the router decides the next step (not while `DecisionPacing` spaces out
-        its plain steps: those read no state). The first step after the gate turns on then has no
+        on, and only when the router decides the next step (not before the plain steps
+        `DecisionPacing` spaces out, nor before the steps that draft a held decision: those read no
+        state). The first step after the gate turns on then has no
         state to route on, and the router takes a plain step (`ChainRouter.predict`): computing the
         states at every window's end had cost 10% of an off stretch's time (a pass with another
         graph, and on the CPU its own frozen copy of the weights, once every 16 steps). The state

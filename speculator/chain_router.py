@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from specboost.speculator.scheduler import CostCorrection, OnlineCalibration
 
 NO_SSM = -1
 MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
+MAX_HOLD = 4  # steps drafting a held action without deciding, at most, after it was chosen again
 STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch length's evidence
 
 
@@ -67,6 +68,24 @@ class ChainPlan:
     def routes(self) -> list[tuple[int, list[bool]]]:
         """Each drafting SSM, in order, with its rows (a mask over the batch)."""
         return [(i, [s == i for s in self.ssm]) for i in sorted({s for s in self.ssm if s != NO_SSM})]
+
+    def select(self, keep: list[int]) -> ChainPlan:
+        """The plan of rows `keep` only."""
+        return replace(
+            self,
+            ssm=[self.ssm[b] for b in keep],
+            lengths=[self.lengths[b] for b in keep],
+            predicted=[self.predicted[b] for b in keep],
+            max_depths=[self.max_depths[b] for b in keep],
+        )
+
+    def within(self, max_depths: Sequence[float]) -> ChainPlan:
+        """This plan with no row drafting more than its `max_depths` tokens (itself if none does)."""
+        lengths = [min(n, int(m)) for n, m in zip(self.lengths, max_depths, strict=True)]
+        if lengths == self.lengths:
+            return self
+        ssm = [i if n else NO_SSM for i, n in zip(self.ssm, lengths, strict=True)]
+        return replace(self, ssm=ssm, lengths=lengths, max_depths=list(max_depths))
 
 
 class ChainRouter:
@@ -96,6 +115,7 @@ class ChainRouter:
             if momentum is not None and not 0 <= momentum < 1:
                 raise ValueError(f"{name} is a momentum in [0, 1) (or None: off), got {momentum}")
         self.num_ssms = c.num_ssms
+        self.max_hold = MAX_HOLD  # `DecisionPacing`
         self.depths = np.asarray(c.depths)
         self._depths = list(c.depths)  # as Python ints: read every step, where numpy scalars cost more
         self.predictor = predictor
@@ -243,14 +263,16 @@ class ChainRouter:
         sampled: bool = False,
     ) -> ChainPlan:
         """The step's routing for rows with these hidden states (and texts) and tokens still
-        wanted; with `pacing` (the group's), a plain step without deciding when it says so.
+        wanted; with `pacing` (the group's), a plain step or the held plan without deciding when it
+        says so.
         `behind()` [B][S]: the tokens SSM i's cache must catch row b up on before it drafts (None:
         one each, as after a step it drafted); asked only where a catch-up can cost more.
         `sampled`: the rows draft host trees (sampled or processed chains), priced by their own
         table."""
         self._setups = setup_count()
         if pacing is not None and not pacing.due():
-            return self.plain(max_depths)
+            held = None if pacing.held is None else pacing.held.within(max_depths)
+            return held if held is not None and any(held.lengths) else self.plain(max_depths)
         self._age()
         scale = None if self.calibration is None else self.calibration.depth  # [S][D]
         if len(hidden) == 1:
@@ -266,7 +288,7 @@ class ChainRouter:
             late = behind() if behind is not None and self._costs(len(hidden), sampled)[2].any() else None
             plan = self.choose(f, raw, cap, late, sampled)
         if pacing is not None:
-            pacing.decided(plan.depth_index < 0)
+            pacing.decided(plan, self.max_hold)
         return plan
 
     def choose(
@@ -462,15 +484,24 @@ class Stretches:
 
 
 class DecisionPacing:
-    """When to decide. A plain step costs one small LLM pass, and deciding (the predictor's MLP,
-    the rule) can cost a tenth of it on a small model; so after a plain decision the next ones are
-    spaced out, 1, 2, 4 then MAX_SKIP plain steps taken without deciding, and a drafting decision
-    (or a new row) brings back deciding every step. Where speculation does not pay, deciding then
-    costs about a ninth of what it would; where it starts to pay, a few steps are lost."""
+    """When to decide (ALGORITHMS.md 5.3, "Pacing"). Deciding costs the predictor's head in the
+    LLM's pass, the rule, and on a small model on a CPU a few percent of a step; so a decision
+    that repeats the last one is trusted for a few steps:
+
+    - after a plain decision the next ones come 1, 2, 4 then MAX_SKIP plain steps later;
+    - a drafting decision that repeats the last one (every row the same SSM and length) is held:
+      the next 1, 2, then up to `max_hold` steps draft it without deciding (and the LLM's passes
+      before them return no hidden state: `RoutedDrafting.wants_hidden`);
+    - any other decision, or a restart (new rows), brings back deciding every step.
+
+    Where speculation does not pay, deciding then costs about a ninth of what it would; where the
+    router keeps choosing one chain, about a fifth; a change of what pays is seen a few steps late."""
 
     def __init__(self) -> None:
-        self.skip = 0  # plain steps to take after the next plain decision
-        self.wait = 0  # plain steps still to take before deciding again
+        self.skip = 0  # steps to take without deciding after the next repeated decision
+        self.wait = 0  # steps still to take before deciding again
+        self.held: ChainPlan | None = None  # the drafting plan those steps take (None: plain steps)
+        self._last: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the last decision's action
 
     def due(self) -> bool:
         if self.wait:
@@ -478,9 +509,26 @@ class DecisionPacing:
             return False
         return True
 
-    def decided(self, plain: bool) -> None:
-        self.skip = min(max(1, 2 * self.skip), MAX_SKIP) if plain else 0
-        self.wait = self.skip if plain else 0
+    def decided(self, plan: ChainPlan, max_hold: int) -> None:
+        action = (tuple(plan.ssm), tuple(plan.lengths))
+        plain = plan.depth_index < 0
+        repeated = action == self._last
+        if plain:
+            self.skip = min(max(1, 2 * self.skip), MAX_SKIP) if repeated else 1
+        else:
+            self.skip = min(max(1, 2 * self.skip), max_hold) if repeated else 0
+        self.wait = self.skip
+        self.held = None if plain or not self.skip else plan
+        self._last = action
+
+    def select(self, keep: list[int]) -> None:
+        """Rows `keep` only stay (the held plan's rows)."""
+        if self.held is not None:
+            self.held = self.held.select(keep)
+        if self._last is not None:
+            ssm, lengths = self._last
+            self._last = (tuple(ssm[b] for b in keep), tuple(lengths[b] for b in keep))
 
     def restart(self) -> None:
         self.skip = self.wait = 0
+        self.held = self._last = None

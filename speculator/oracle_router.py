@@ -33,6 +33,7 @@ class OracleRouter(ChainRouter):
         super().__init__(router.predictor, router.cost_model, calibration=None, cost_correction=momentum)
         self.llm, self.ssms = llm, ssms
         self._in_pass = None  # it reads texts, not estimates: no head in the LLM's pass (`pass_head`)
+        self.max_hold = 0  # every step decided on its own true lengths (`DecisionPacing`)
         self.known: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = {}  # prompt -> output, runs [S, L]
         self._last: tuple[list[int], np.ndarray] = (
             [],

@@ -21,7 +21,7 @@ from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import chain_router
-from specboost.speculator.chain_router import NO_SSM, ChainRouter, DecisionPacing, Stretches
+from specboost.speculator.chain_router import NO_SSM, ChainPlan, ChainRouter, DecisionPacing, Stretches
 from specboost.speculator.cost_model import CostModel, affine_in_depth
 from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.padding import left_pad
@@ -466,34 +466,77 @@ def test_unknown_actions_are_refused() -> None:
         StrategyOptions(actions="forest")
 
 
+def plan_of(ssm: list[int], lengths: list[int]) -> ChainPlan:
+    """A plan routing row b to SSM ssm[b] for lengths[b] tokens (all 0: a plain step)."""
+    rows = len(ssm)
+    depth = 0 if any(lengths) else -1
+    return ChainPlan(ssm, lengths, depth, [[1.0, 1.0]] * rows, [60.0] * rows, (1e-3, 1e-3))
+
+
+def decision_steps(pacing: DecisionPacing, plan: ChainPlan, steps: int, max_hold: int = 4) -> list[int]:
+    """The steps of `steps` at which `pacing` decides, when every decision is `plan`."""
+    decided = []
+    for step in range(steps):
+        if pacing.due():
+            decided.append(step)
+            pacing.decided(plan, max_hold)
+    return decided
+
+
 def test_pacing_spaces_out_decisions_while_they_decline() -> None:
     """After plain decisions the next decisions come 1, 2, 4 then 8 plain steps later; a drafting
     decision (or a restart: new rows) brings deciding back to every step."""
-    pacing, steps = DecisionPacing(), []
-    for _ in range(40):
-        due = pacing.due()
-        steps.append(due)
-        if due:
-            pacing.decided(plain=True)
-    decided = [i for i, due in enumerate(steps) if due]
-    assert decided == [0, 2, 5, 10, 19, 28, 37]
-    pacing.decided(plain=False)
-    assert pacing.due() and pacing.due()
-    pacing.decided(plain=True)
+    pacing = DecisionPacing()
+    assert decision_steps(pacing, plan_of([NO_SSM], [0]), 40) == [0, 2, 5, 10, 19, 28, 37]
+    pacing.decided(plan_of([0], [4]), 4)
+    assert pacing.due() and pacing.due() and pacing.held is None
+    pacing.decided(plan_of([NO_SSM], [0]), 4)
     pacing.restart()
     assert pacing.due()
 
 
-def test_a_router_that_declines_decides_rarely(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A predictor that expects nothing: every step is plain, and the predictor runs in about one
-    step of nine, and the LLM's pass returns its hidden states only before those steps (the output
-    is still the LLM's)."""
-    llm = tiny_llama(layers=2, seed=0)
-    decoder = routed_decoder(llm, [tiny_llama(layers=1, seed=1)], constant_predictor([[[0.0, 0.0]] * 2]))
+def test_pacing_holds_a_drafting_decision_while_it_repeats() -> None:
+    """A drafting decision that repeats the last one is held for the next 1, 2, then at most
+    `max_hold` steps; another decision (another SSM, length or plain) brings deciding back to
+    every step, and a plain decision after a held one spaces out its plain steps from 1 again."""
+    chain, pacing = plan_of([0], [4]), DecisionPacing()
+    assert decision_steps(pacing, chain, 20) == [0, 1, 3, 6, 11, 16]
+    assert pacing.held is chain
+    assert decision_steps(DecisionPacing(), chain, 20, max_hold=0) == list(range(20))
+    for other in (plan_of([1], [4]), plan_of([0], [2])):
+        pacing.wait = 0
+        pacing.decided(other, 4)
+        assert pacing.held is None and pacing.due()
+    pacing.decided(plan_of([NO_SSM], [0]), 4)
+    assert pacing.held is None and not pacing.due() and pacing.due()  # one plain step, then decide
+
+
+def test_a_held_plan_drafts_no_row_past_its_tokens_wanted_and_follows_the_rows() -> None:
+    """The held plan of a batch: each row drafts at most the tokens it still wants (none left: a
+    row drafts nothing; no row left: a plain step), and rows that leave take their routes along."""
+    router = ChainRouter(constant_predictor(FAVOURS_SSM_0), cost_table(2, VERIFY, SPECULATE), None, None)
+    pacing = DecisionPacing()
+    pacing.decided(plan_of([0, 1, 0], [4, 4, 4]), 4)
+    pacing.decided(plan_of([0, 1, 0], [4, 4, 4]), 4)  # repeated: held for one step
+    pacing.select([1, 2])
+    held = router.plan([None, None], [60, 2], pacing)
+    assert (held.ssm, held.lengths) == ([1, 0], [4, 2])
+    pacing.wait = 1
+    assert router.plan([None, None], [0, 0], pacing).action(0) == "plain"
+
+
+def decide_and_verify(
+    monkeypatch: pytest.MonkeyPatch, llm: torch.nn.Module, decoder: SpeculativeDecoder, new_tokens: int
+) -> tuple[list[str], int, list[bool]]:
+    """Decode a prompt with `decoder`, checking the output is the LLM's greedy one; returns the
+    actions, how many times the router ran its predictor, and per LLM verify pass whether it
+    returned hidden states."""
     decoder.speculator.router.costs = None  # a made-up profile: keep its costs (5.2)
     calls, states = [], []
-    predict = ChainRouter.predict
-    monkeypatch.setattr(ChainRouter, "predict", lambda self, *args: calls.append(1) or predict(self, *args))
+    predict = ChainRouter._predict_one
+    monkeypatch.setattr(
+        ChainRouter, "_predict_one", lambda self, *args: calls.append(1) or predict(self, *args)
+    )
     verifier = type(decoder.verifier)
     verify = verifier.verify
     monkeypatch.setattr(
@@ -502,12 +545,33 @@ def test_a_router_that_declines_decides_rarely(monkeypatch: pytest.MonkeyPatch) 
         lambda self, cache, rows, keep, *args: states.append(keep) or verify(self, cache, rows, keep, *args),
     )
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
-    out = decoder.generate(prompt, max_new_tokens=60)
-    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
-    assert (
-        out.stats.strategy["actions"] == {"plain": 60} and len(calls) == 9
-    )  # steps 0, 2, 5, 10, 19, 28, ..., 55
+    out = decoder.generate(prompt, max_new_tokens=new_tokens)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=new_tokens, do_sample=False))
+    return out.stats.strategy["choices"], len(calls), states
+
+
+def test_a_router_that_declines_decides_rarely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A predictor that expects nothing: every step is plain, and the predictor runs in about one
+    step of nine, and the LLM's pass returns its hidden states only before those steps (the output
+    is still the LLM's)."""
+    llm = tiny_llama(layers=2, seed=0)
+    decoder = routed_decoder(llm, [tiny_llama(layers=1, seed=1)], constant_predictor([[[0.0, 0.0]] * 2]))
+    choices, calls, states = decide_and_verify(monkeypatch, llm, decoder, 60)
+    assert choices == ["plain"] * 60 and calls == 9  # steps 0, 2, 5, 10, 19, 28, ..., 55
     assert len(states) == 60 and [i for i, keep in enumerate(states) if keep] == [1, 4, 9, 18, 27, 36, 45, 54]
+
+
+def test_a_router_that_keeps_its_choice_decides_rarely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SSM 0, predicted best, is a copy of the LLM: every decision is its chain of 4, so decisions
+    are held 1, 2, then 4 steps, and the LLM's pass returns its hidden states only before the steps
+    the router decides; the last held step, with 3 tokens wanted, drafts 2. The output is still the
+    LLM's."""
+    llm = tiny_llama(layers=2, seed=0)
+    decoder = routed_decoder(llm, [copy.deepcopy(llm), tiny_llama(layers=1, seed=1)])
+    choices, calls, states = decide_and_verify(monkeypatch, llm, decoder, 73)
+    assert choices == ["SSM 0 x4"] * 14 + ["SSM 0 x2"]
+    assert calls == 5  # steps 0, 1, 3, 6, 11
+    assert len(states) == 15 and [i for i, keep in enumerate(states) if keep] == [0, 2, 5, 10]
 
 
 def test_the_oracle_predicts_exactly_what_greedy_verification_accepts(
