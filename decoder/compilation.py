@@ -113,10 +113,8 @@ class ModelCalls:
             # The router's estimates come out of the LLM's verify pass (5.3, "Cost of deciding"):
             # its current router's, should the scheduler's router be replaced
             self.get(llm).head = lambda: speculator.router.pass_head(llm.device)
-            # Steps the router decides read the hidden states; the others (the gate off, 5.4, and
-            # the plain or drafting steps `DecisionPacing` takes without deciding) do not
             self.get(llm).expected.update(verify_passes(longest, hidden=True))
-            self.get(llm).expected.update(verify_passes(longest, hidden=False))
+            self.get(llm).expected.add(PassShape(1, 1, False))  # a plain step while the gate is off (5.4)
             for model in speculator.models:
                 self.get(model).expected.update({*catch_up_passes(), PassShape(1, 1, False)})
             return

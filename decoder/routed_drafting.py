@@ -2,12 +2,12 @@
 
 One `ChainRouter` decision per step for the whole group (spaced out while it declines or repeats
 itself: `DecisionPacing`) (the rows' hidden states through the predictor in one call, then the
-batch rule: the length, the SSMs that draft, K = 0 per row or for
-the whole batch), then each chosen SSM drafts the chains of its rows in one `BatchedChainDrafter`
-pass per chain position. Greedy rows' chains stay on the device until the verifier reads them back
-with its verdicts; a group with sampled rows (or logits processors) gets host trees, verified by
-the rows' own rules: chains sampled from the SSM for rows verified by MSS (or k-sequential
-selection), argmax chains for the rest (seeded rows: the target rule).
+batch rule: the length, the SSMs that draft, K = 0 per row or for the whole batch), then each
+chosen SSM drafts the chains of its rows in one `BatchedChainDrafter` pass per chain position.
+Greedy rows' chains stay on the device until the verifier reads them back with its verdicts; a
+group with sampled rows (or logits processors) gets host trees, verified by the rows' own rules:
+chains sampled from the SSM for rows verified by MSS (or k-sequential selection), argmax chains for
+the rest (seeded rows: the target rule).
 """
 
 from __future__ import annotations
@@ -71,18 +71,19 @@ class RoutedDrafting:
             self.chains.warm(max(row.final_length for row in rows))
 
     def wants_hidden(self) -> bool:
-        """Whether this step's verification must return the hidden states: only while the gate is
-        on, and only when the router decides the next step (not before the plain steps
-        `DecisionPacing` spaces out, nor before the steps that draft a held decision: those read no
-        state). The first step after the gate turns on then has no
-        state to route on, and the router takes a plain step (`ChainRouter.predict`): computing the
-        states at every window's end had cost 10% of an off stretch's time (a pass with another
-        graph, and on the CPU its own frozen copy of the weights, once every 16 steps). The state
-        and the predictor's head cost 0.19 ms of a 10.8 ms step on the tiny fixture (greedy, batch
-        1, compiled). Rows that join a group while its decisions are spaced out (`add` restarts the
-        pacing) route the next step with the states they read; the rows already there have none
-        and draft nothing for that step."""
-        return (self._gate is None or self._gate.on) and not self.pacing.wait
+        """Whether this step's verification must return the hidden states: only while the gate is on,
+        and not before the plain steps `DecisionPacing` spaces out (those read no state). The first
+        step after the gate turns on then has no state to route on, and the router takes a plain step
+        (`ChainRouter.predict`): computing the states at every window's end had cost 10% of an off
+        stretch's time (a pass with another graph, and on the CPU its own frozen copy of the weights,
+        once every 16 steps). The steps that draft a held decision read no state either, but their
+        passes return it: a chain's pass without it is another graph per chain length, (rows,
+        capacity) and LLM, 4 more on the tiny fixture's 6, whose warm-up took 94 s against 79 s with
+        a warm compile cache. Rows that join a group while its decisions are spaced out (`add`
+        restarts the pacing) route the next step with the states they read; the rows already there
+        have none and draft nothing for that step."""
+        paced_plain = self.pacing.wait and self.pacing.held is None
+        return (self._gate is None or self._gate.on) and not paced_plain
 
     def propose(
         self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]

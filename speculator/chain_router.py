@@ -490,8 +490,8 @@ class DecisionPacing:
 
     - after a plain decision the next ones come 1, 2, 4 then MAX_SKIP plain steps later;
     - a drafting decision that repeats the last one (every row the same SSM and length) is held:
-      the next 1, 2, then up to `max_hold` steps draft it without deciding (and the LLM's passes
-      before them return no hidden state: `RoutedDrafting.wants_hidden`);
+      the next 1, 2, then up to `max_hold` steps draft it without deciding (their passes still
+      return the hidden states: `RoutedDrafting.wants_hidden`);
     - any other decision, or a restart (new rows), brings back deciding every step.
 
     Where speculation does not pay, deciding then costs about a ninth of what it would; where the
