@@ -484,9 +484,9 @@ class Stretches:
 
 
 class DecisionPacing:
-    """When to decide (ALGORITHMS.md 5.3, "Pacing"). Deciding costs the predictor's head in the
-    LLM's pass, the rule, and on a small model on a CPU a few percent of a step; so a decision
-    that repeats the last one is trusted for a few steps:
+    """When to decide (ALGORITHMS.md 5.3, "Pacing"). Deciding (the rule, and before a plain step
+    the predictor's head in the LLM's pass) costs a few percent of a step on a small model on a
+    CPU; so a decision that repeats the last one is trusted for a few steps:
 
     - after a plain decision the next ones come 1, 2, 4 then MAX_SKIP plain steps later;
     - a drafting decision that repeats the last one (every row the same SSM and length) is held:
