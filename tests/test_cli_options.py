@@ -72,6 +72,34 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"specboost {__version__}\n"
 
 
+# Every command but `serve` runs without the web stack: on a GPU machine whose environment lacked
+# fastapi's dependencies, `specboost profile` failed on an import of the server it never used.
+WITHOUT_WEB_STACK = """
+import sys
+from importlib.abc import MetaPathFinder
+WEB = {"fastapi", "uvicorn", "starlette", "pydantic", "opentelemetry"}
+class Missing(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in WEB:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Missing())
+from specboost.decoder.cli import main
+for command in ("generate", "profile", "bench"):
+    try:
+        main([command, "--help"])
+    except SystemExit as exit_:
+        assert exit_.code == 0, (command, exit_.code)
+"""
+
+
+def test_commands_but_serve_need_no_web_stack() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_WEB_STACK], capture_output=True, text=True, timeout=STARTUP_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage: specboost profile" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("llm", "name"),
     [

@@ -15,11 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
-
 from specboost.decoder.engine import EngineConfig
 from specboost.decoder.loop import LoopParts
-from specboost.decoder.serve.app import create_app
 from specboost.decoder.serve.config import API_KEY_ENV, ServerConfig, api_key_from_env
 
 logger = logging.getLogger(__name__)
@@ -155,7 +152,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def serve(args: argparse.Namespace, build_decoder: Callable[[], LoopParts]) -> int:
     """Serve the decoder `build_decoder` makes (once the server's options are checked) until
     interrupted: Ctrl-C or SIGTERM stops taking requests, gives the open ones up to
-    --shutdown-timeout seconds to finish, ends the rest (their engine requests cancelled) and stops."""
+    --shutdown-timeout seconds to finish, ends the rest (their engine requests cancelled) and stops.
+    The web stack (uvicorn, fastapi and what it imports) is imported here, not with the module: every
+    `specboost` command builds its parser from this module, and `specboost profile` on a GPU machine
+    whose environment lacked fastapi's dependencies failed on an import it never used."""
+    import uvicorn
+
+    from specboost.decoder.serve.app import create_app
+
     config = server_config(args)
     engine = EngineConfig(batch_size=args.batch_size, num_groups=args.num_groups, max_queue=args.max_queue)
     if config.host not in LOCAL_HOSTS and config.api_key is None:
