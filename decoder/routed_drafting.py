@@ -35,7 +35,7 @@ class RoutedDrafting:
 
     def __init__(self, scheduler: RoutedScheduler, calls: ModelCalls) -> None:
         self.scheduler = scheduler
-        self.router = scheduler.router
+        self.router = scheduler.router  # the step's: `RoutedScheduler.router_for`
         self.chains = RoutedChains(scheduler.models, calls.get)
         self.records: list[ActionRecord] = []
         self.pacing = DecisionPacing()
@@ -93,7 +93,9 @@ class RoutedDrafting:
         texts = [row.tokens for row in rows]
         start = self._start = time.perf_counter()
         self._setups = setup_count()
-        gate = self._gate = self.scheduler.gate(len(rows))
+        target = all(row.rule is Rule.TARGET for row in rows)
+        self.router = self.scheduler.router_for(target)
+        gate = self._gate = self.scheduler.gate(len(rows), target)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None

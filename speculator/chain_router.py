@@ -143,11 +143,19 @@ class ChainRouter:
         """Take the profile's costs of the compiled loop (when it has them, else the eager ones,
         which the online correction then scales) or of the eager loop; starts the corrections
         afresh. The decoder says which loop runs."""
+        self._compiled_loop = compiled
         self.compiled = compiled and self.cost_model.has_compiled_chain_costs
         self._tables: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._one: dict[bool, tuple[list[float], list[list[float]], list[float]]] = {}
         self._plain: dict[int, ChainPlan] = {}
         self.forget()
+
+    def sibling(self) -> ChainRouter:
+        """A router with this one's predictor, profile, momenta and loop, and online corrections
+        of its own (`RoutedScheduler.router_for`)."""
+        other = ChainRouter(self.predictor, self.cost_model, *self._momenta)
+        other.costs_on_compiled_loop(self._compiled_loop)
+        return other
 
     def forget(self) -> None:
         """Start the online corrections afresh (see `LearnedScheduler.forget`)."""

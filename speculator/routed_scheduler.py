@@ -134,7 +134,9 @@ class RoutedScheduler:
         self.models = list(ssms)
         self.num_ssms = len(ssms)
         self.router = ChainRouter(predictor.to(ssms[0].device), cost_model, calibration, cost_correction)
-        self.gates: dict[int, SpeculationGate] = {}  # per batch-size bucket (section 5.4)
+        self._target_router: ChainRouter | None = None  # `router_for`
+        # per batch-size bucket and whether the group's rows are verified by the target rule (5.4)
+        self.gates: dict[tuple[int, bool], SpeculationGate] = {}
         self.compiler: Callable[[PreTrainedModel], CompiledPass | None] | None = None  # set by the decoder
         self.reset(None)
 
@@ -142,21 +144,41 @@ class RoutedScheduler:
         """Start the online corrections and the gates afresh (a warm-up taught nothing about the
         workload)."""
         self.router.forget()
+        self._target_router = None
         self.gates.clear()
 
-    def gate(self, rows: int) -> SpeculationGate | None:
-        """The speculation gate of groups of `rows` rows (one per power-of-two bucket); None when
+    def router_for(self, target: bool) -> ChainRouter:
+        """The router of a group; `target`: every row of it is verified by the target rule (a
+        seeded sampled sequence, module doc). Those rows learn apart, in a router and gates of
+        their own: the target rule accepts an argmax chain's token with the LLM's probability of
+        it, far less at T = 0.8 than MSS accepts of a sampled chain, so what their steps teach the
+        corrections (5.1, 5.2) and the gate (5.4) says nothing of other requests'. Shared, they
+        had turned speculation off for the unseeded requests decoded between seeded ones (results
+        r40)."""
+        if not target:
+            return self.router
+        if self._target_router is None:
+            self._target_router = self.router.sibling()
+        return self._target_router
+
+    def gate(self, rows: int, target: bool = False) -> SpeculationGate | None:
+        """The speculation gate of groups of `rows` rows (one per power-of-two bucket, and apart for
+        the target rule's groups: `router_for`); None when
         not `gated`: the router decides every step. A bucket's first gate starts where the nearest
         bucket's stands (the larger at a tie): a batch whose rows finish one by one meets every
         smaller bucket, and a gate started afresh would run its first window in the router."""
         if not self.gated:
             return None
-        key = bucket(rows)
+        size = bucket(rows)
+        key = (size, target)
         if key not in self.gates:
             nearest = min(
-                self.gates, key=lambda k: (abs(k.bit_length() - key.bit_length()), -k), default=None
+                (k for k, t in self.gates if t == target),
+                key=lambda k: (abs(k.bit_length() - size.bit_length()), -k),
+                default=None,
             )
-            self.gates[key] = SpeculationGate(key, None if nearest is None else self.gates[nearest])
+            like = None if nearest is None else self.gates[nearest, target]
+            self.gates[key] = SpeculationGate(size, like)
         return self.gates[key]
 
     def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
@@ -169,6 +191,7 @@ class RoutedScheduler:
         self.record = ActionRecord()
         self.pacing = DecisionPacing()
         self._plan: ChainPlan | None = None
+        self._router = self.router  # the step's (`router_for`)
         self._drafting = 0.0
 
     def propose(self, request: DraftRequest) -> TokenTree:
@@ -178,7 +201,8 @@ class RoutedScheduler:
         behind = functools.partial(self.chains.behind, texts)
         probs = request.probs
         trees = bool(probs.config.do_sample or probs.processors)  # else greedy chains on the device
-        self._plan = self.router.plan(
+        self._router = self.router_for(probs.config.do_sample and self._seeded)
+        self._plan = self._router.plan(
             [request.hidden], [request.max_depth], self.pacing, texts, behind, trees
         )
         self.record.decided(self._plan.action(0), time.perf_counter() - start)
@@ -195,7 +219,8 @@ class RoutedScheduler:
     def observe(self, feedback: StepFeedback) -> None:
         if self._plan is not None:
             start = time.perf_counter()
-            self.router.observe(self._plan, [len(feedback.accepted)], feedback.verify_seconds, self._drafting)
+            accepted = [len(feedback.accepted)]
+            self._router.observe(self._plan, accepted, feedback.verify_seconds, self._drafting)
             self.record.decision_seconds += time.perf_counter() - start
 
     def report(self) -> dict:

@@ -289,6 +289,32 @@ def test_a_bad_favourite_is_found_out_and_the_other_ssm_drafts() -> None:
     assert scales[0] < 0.5 < 1.0 < scales[1]
 
 
+def test_seeded_sampling_learns_apart_from_other_requests() -> None:
+    """Seeded sampled rows are verified by the target rule, whose acceptance of argmax chains says
+    nothing of other requests: they route with a router and gates of their own, on the same loop's
+    costs (results r40: shared, they turned speculation off for the unseeded requests between them)."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.3, seed=2)]
+    decoder = routed_decoder(llm, ssms, gate=True)
+    scheduler = decoder.speculator
+    shared = scheduler.router
+    evidence = copy.deepcopy(shared.calibration.predicted)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    texts = []
+    for seed in (0, 1, 0):
+        out = decoder.generate(prompt, max_new_tokens=16, do_sample=True, temperature=0.8, seed=seed)
+        texts.append(out.sequences[0].tolist())
+    assert texts[0] == texts[2]  # the seed alone fixes the text, whatever the router learnt between
+    apart = scheduler.router_for(True)
+    assert apart is not shared and apart.compiled == shared.compiled
+    assert apart.calibration.predicted != evidence and shared.calibration.predicted == evidence
+    assert set(scheduler.gates) == {(1, True)}
+    decoder.generate(prompt, max_new_tokens=16, do_sample=True, temperature=0.8)
+    assert shared.calibration.predicted != evidence and set(scheduler.gates) == {(1, True), (1, False)}
+    scheduler.forget()
+    assert scheduler.router_for(True) is not apart and not scheduler.gates
+
+
 def test_drafting_much_slower_than_profiled_turns_speculation_off() -> None:
     """The profile says drafting is nearly free; here a draft takes 10x its profiled time and the
     verification as profiled. After the first draft's measured time the corrected router (5.2)

@@ -847,8 +847,8 @@ def test_routed_chains(models, batch: int, seeded: bool, monkeypatch: pytest.Mon
         cost_model=cost_table(2, VERIFY, SPECULATE),
         strategy_options=StrategyOptions(gate=False),  # keep drafting, whatever plain decoding measures
     )
-    router = dec.speculator.router
-    router.calibration = router.costs = None  # a made-up profile: keep drafting on its numbers
+    for router in (dec.speculator.router, dec.speculator.router_for(target=True)):  # seeded: its own
+        router.calibration = router.costs = None  # a made-up profile: keep drafting on its numbers
     sampling = dict(temperature=1.3, top_k=4)
     if batch == 1:
         check_decoder(dec, 3, seed0=45_000, min_accepted=0.15, seeded=seeded, **sampling)
