@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 
 from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing
 from specboost.speculator.kv_cache import setup_count
-from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler
+from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler, learning_regime
 from specboost.speculator.speculation_gate import COLD_STEPS, SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that read the drafts' q
+
+
+def group_regime(rows: list[SequenceState]) -> str:
+    """The learning regime a group routes in (`RoutedScheduler.router_for`): its rows', or where
+    they differ (a serving engine's group), the most common one's."""
+    regimes = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
+    return regimes[0] if len(set(regimes)) == 1 else Counter(regimes).most_common(1)[0][0]
 
 
 class RoutedDrafting:
@@ -93,9 +101,9 @@ class RoutedDrafting:
         texts = [row.tokens for row in rows]
         start = self._start = time.perf_counter()
         self._setups = setup_count()
-        target = all(row.rule is Rule.TARGET for row in rows)
-        self.router = self.scheduler.router_for(target)
-        gate = self._gate = self.scheduler.gate(len(rows), target)
+        regime = group_regime(rows)
+        self.router = self.scheduler.router_for(regime)
+        gate = self._gate = self.scheduler.gate(len(rows), regime)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None

@@ -37,6 +37,17 @@ from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
+GREEDY, SAMPLED, SEEDED = "greedy", "sampled", "seeded"  # learning regimes: `learning_regime`
+
+
+def learning_regime(do_sample: bool, seeded: bool) -> str:
+    """Which of the routed scheduler's routers learns from a sequence's steps (`router_for`):
+    greedy decoding, unseeded sampling (sampled chains, MSS) or seeded sampling (argmax chains,
+    the target rule), as `RoutedScheduler.tree_kind` drafts for them."""
+    if not do_sample:
+        return GREEDY
+    return SEEDED if seeded else SAMPLED
+
 
 class RoutedChains:
     """The chain drafters of one group of sequences: one `BatchedChainDrafter` per SSM over the
@@ -134,9 +145,8 @@ class RoutedScheduler:
         self.models = list(ssms)
         self.num_ssms = len(ssms)
         self.router = ChainRouter(predictor.to(ssms[0].device), cost_model, calibration, cost_correction)
-        self._target_router: ChainRouter | None = None  # `router_for`
-        # per batch-size bucket and whether the group's rows are verified by the target rule (5.4)
-        self.gates: dict[tuple[int, bool], SpeculationGate] = {}
+        self._routers: dict[str, ChainRouter] = {}  # the other regimes': `router_for`
+        self.gates: dict[tuple[int, str], SpeculationGate] = {}  # per batch-size bucket and regime (5.4)
         self.compiler: Callable[[PreTrainedModel], CompiledPass | None] | None = None  # set by the decoder
         self.reset(None)
 
@@ -144,40 +154,41 @@ class RoutedScheduler:
         """Start the online corrections and the gates afresh (a warm-up taught nothing about the
         workload)."""
         self.router.forget()
-        self._target_router = None
+        self._routers = {}
         self.gates.clear()
 
-    def router_for(self, target: bool) -> ChainRouter:
-        """The router of a group; `target`: every row of it is verified by the target rule (a
-        seeded sampled sequence, module doc). Those rows learn apart, in a router and gates of
-        their own: the target rule accepts an argmax chain's token with the LLM's probability of
-        it, far less at T = 0.8 than MSS accepts of a sampled chain, so what their steps teach the
-        corrections (5.1, 5.2) and the gate (5.4) says nothing of other requests'. Shared, they
-        had turned speculation off for the unseeded requests decoded between seeded ones (results
-        r40)."""
-        if not target:
+    def router_for(self, regime: str) -> ChainRouter:
+        """The router of a group of rows of one `regime` (`learning_regime`): each regime learns
+        apart, in a router and gates of its own, on the same predictor and profile. What a regime
+        accepts says nothing of another's: greedy verification of argmax chains, MSS of sampled
+        chains, the target rule of a seeded row's argmax chains (the LLM's probability of each
+        token, far less at T = 0.8). Shared, the regime where drafting lost turned speculation off
+        for the other requests decoded between its own (results r40): seeded requests for
+        unseeded ones, and sampled requests on a greedy pool for greedy ones. `router` is the
+        greedy regime's (the oracle's and the compiled passes' too)."""
+        if regime == GREEDY:
             return self.router
-        if self._target_router is None:
-            self._target_router = self.router.sibling()
-        return self._target_router
+        if regime not in self._routers:
+            self._routers[regime] = self.router.sibling()
+        return self._routers[regime]
 
-    def gate(self, rows: int, target: bool = False) -> SpeculationGate | None:
-        """The speculation gate of groups of `rows` rows (one per power-of-two bucket, and apart for
-        the target rule's groups: `router_for`); None when
+    def gate(self, rows: int, regime: str = GREEDY) -> SpeculationGate | None:
+        """The speculation gate of groups of `rows` rows (one per power-of-two bucket and regime:
+        `router_for`); None when
         not `gated`: the router decides every step. A bucket's first gate starts where the nearest
         bucket's stands (the larger at a tie): a batch whose rows finish one by one meets every
         smaller bucket, and a gate started afresh would run its first window in the router."""
         if not self.gated:
             return None
         size = bucket(rows)
-        key = (size, target)
+        key = (size, regime)
         if key not in self.gates:
             nearest = min(
-                (k for k, t in self.gates if t == target),
+                (k for k, r in self.gates if r == regime),
                 key=lambda k: (abs(k.bit_length() - size.bit_length()), -k),
                 default=None,
             )
-            like = None if nearest is None else self.gates[nearest, target]
+            like = None if nearest is None else self.gates[nearest, regime]
             self.gates[key] = SpeculationGate(size, like)
         return self.gates[key]
 
@@ -201,7 +212,7 @@ class RoutedScheduler:
         behind = functools.partial(self.chains.behind, texts)
         probs = request.probs
         trees = bool(probs.config.do_sample or probs.processors)  # else greedy chains on the device
-        self._router = self.router_for(probs.config.do_sample and self._seeded)
+        self._router = self.router_for(learning_regime(probs.config.do_sample, self._seeded))
         self._plan = self._router.plan(
             [request.hidden], [request.max_depth], self.pacing, texts, behind, trees
         )

@@ -26,7 +26,7 @@ from specboost.speculator.cost_model import CostModel, affine_in_depth
 from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.padding import left_pad
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
-from specboost.speculator.routed_scheduler import RoutedScheduler
+from specboost.speculator.routed_scheduler import GREEDY, SAMPLED, SEEDED, RoutedScheduler
 
 
 def chain_costs(verify: list[list[float]], draft: list[list[list[float]]]) -> CostModel:
@@ -289,30 +289,36 @@ def test_a_bad_favourite_is_found_out_and_the_other_ssm_drafts() -> None:
     assert scales[0] < 0.5 < 1.0 < scales[1]
 
 
-def test_seeded_sampling_learns_apart_from_other_requests() -> None:
-    """Seeded sampled rows are verified by the target rule, whose acceptance of argmax chains says
-    nothing of other requests: they route with a router and gates of their own, on the same loop's
-    costs (results r40: shared, they turned speculation off for the unseeded requests between them)."""
+def test_greedy_sampled_and_seeded_requests_learn_apart() -> None:
+    """What one regime accepts says nothing of another's (greedy verification of argmax chains, MSS
+    of sampled chains, the target rule of a seeded row's argmax chains): each routes with a router
+    and gates of its own, on the same loop's costs (results r40: shared, the regime where drafting
+    lost turned speculation off for the requests of the others decoded between its own)."""
     llm = tiny_llama(layers=2, seed=0)
     ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.3, seed=2)]
     decoder = routed_decoder(llm, ssms, gate=True)
     scheduler = decoder.speculator
-    shared = scheduler.router
-    evidence = copy.deepcopy(shared.calibration.predicted)
+    routers = {regime: scheduler.router_for(regime) for regime in (GREEDY, SAMPLED, SEEDED)}
+    assert routers[GREEDY] is scheduler.router and len({id(r) for r in routers.values()}) == 3
+    assert all(r.compiled == scheduler.router.compiled for r in routers.values())
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    calls = {
+        SEEDED: [dict(do_sample=True, temperature=0.8, seed=s) for s in (0, 1, 0)],
+        SAMPLED: [dict(do_sample=True, temperature=0.8)],
+        GREEDY: [dict()],
+    }
     texts = []
-    for seed in (0, 1, 0):
-        out = decoder.generate(prompt, max_new_tokens=16, do_sample=True, temperature=0.8, seed=seed)
-        texts.append(out.sequences[0].tolist())
+    for regime, options in calls.items():
+        evidence = {r: copy.deepcopy(router.calibration.predicted) for r, router in routers.items()}
+        for option in options:
+            texts.append(decoder.generate(prompt, max_new_tokens=16, **option).sequences[0].tolist())
+        learnt = {r for r, router in routers.items() if router.calibration.predicted != evidence[r]}
+        assert learnt == {regime}
+        assert (1, regime) in scheduler.gates
     assert texts[0] == texts[2]  # the seed alone fixes the text, whatever the router learnt between
-    apart = scheduler.router_for(True)
-    assert apart is not shared and apart.compiled == shared.compiled
-    assert apart.calibration.predicted != evidence and shared.calibration.predicted == evidence
-    assert set(scheduler.gates) == {(1, True)}
-    decoder.generate(prompt, max_new_tokens=16, do_sample=True, temperature=0.8)
-    assert shared.calibration.predicted != evidence and set(scheduler.gates) == {(1, True), (1, False)}
+    assert set(scheduler.gates) == {(1, regime) for regime in calls}
     scheduler.forget()
-    assert scheduler.router_for(True) is not apart and not scheduler.gates
+    assert scheduler.router_for(SEEDED) is not routers[SEEDED] and not scheduler.gates
 
 
 def test_drafting_much_slower_than_profiled_turns_speculation_off() -> None:

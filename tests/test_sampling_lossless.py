@@ -62,6 +62,7 @@ from specboost.decoder.verify import (
     verify_without_replacement,
 )
 from specboost.speculator import sampling
+from specboost.speculator.routed_scheduler import SAMPLED, SEEDED
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
 from specboost.speculator.tree import DraftKind, TokenTree
 
@@ -847,7 +848,7 @@ def test_routed_chains(models, batch: int, seeded: bool, monkeypatch: pytest.Mon
         cost_model=cost_table(2, VERIFY, SPECULATE),
         strategy_options=StrategyOptions(gate=False),  # keep drafting, whatever plain decoding measures
     )
-    for router in (dec.speculator.router, dec.speculator.router_for(target=True)):  # seeded: its own
+    for router in map(dec.speculator.router_for, (SAMPLED, SEEDED)):  # each learns apart
         router.calibration = router.costs = None  # a made-up profile: keep drafting on its numbers
     sampling = dict(temperature=1.3, top_k=4)
     if batch == 1:
