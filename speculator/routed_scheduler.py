@@ -12,8 +12,9 @@ argmax chains verified by the target rule, whose one draw per emitted token leav
 function of the seed alone.
 
 A batch (`decoder/routed_drafting.py`) routes its rows together; this class is the strategy of
-one sequence (`propose`) and holds what the batches share: the models and the router, whose online
-corrections persist across calls.
+one sequence (`propose`) and holds what the batches share: the models, and a router and gates per
+learning regime (greedy, sampled, seeded: `router_for`), whose online corrections persist across
+calls.
 """
 
 from __future__ import annotations
@@ -173,11 +174,11 @@ class RoutedScheduler:
         return self._routers[regime]
 
     def gate(self, rows: int, regime: str = GREEDY) -> SpeculationGate | None:
-        """The speculation gate of groups of `rows` rows (one per power-of-two bucket and regime:
-        `router_for`); None when
-        not `gated`: the router decides every step. A bucket's first gate starts where the nearest
-        bucket's stands (the larger at a tie): a batch whose rows finish one by one meets every
-        smaller bucket, and a gate started afresh would run its first window in the router."""
+        """The speculation gate of groups of `rows` rows in `regime` (one per power-of-two bucket
+        and regime: `router_for`); None when not `gated`: the router decides every step. A
+        bucket's first gate starts where the regime's nearest bucket's stands (the larger at a
+        tie): a batch whose rows finish one by one meets every smaller bucket, and a gate started
+        afresh would run its first window in the router."""
         if not self.gated:
             return None
         size = bucket(rows)

@@ -45,7 +45,8 @@ only its measured windows, had counted 2 ms lost over the whole table (the trial
 rate: 0.94x off's). The charge is against the better regime's steady rate, which its own cold
 steps would not reach either: it errs toward exploring less.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
-gate starts where the nearest one stands (`RoutedScheduler.gate`).
+gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
+(greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
 """
 
 from __future__ import annotations
