@@ -21,18 +21,17 @@ from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing
 from specboost.speculator.kv_cache import setup_count
-from specboost.speculator.routed_scheduler import ActionRecord, RoutedChains, RoutedScheduler, learning_regime
+from specboost.speculator.routed_scheduler import (
+    GREEDY,
+    ActionRecord,
+    RoutedChains,
+    RoutedScheduler,
+    learning_regime,
+)
 from specboost.speculator.speculation_gate import COLD_STEPS, SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that read the drafts' q
-
-
-def group_regime(rows: list[SequenceState]) -> str:
-    """The learning regime a group routes in (`RoutedScheduler.router_for`): its rows', or where
-    they differ (a serving engine's group), the most common one's."""
-    regimes = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
-    return regimes[0] if len(set(regimes)) == 1 else Counter(regimes).most_common(1)[0][0]
 
 
 class RoutedDrafting:
@@ -46,6 +45,8 @@ class RoutedDrafting:
         self.router = scheduler.router  # the step's: `RoutedScheduler.router_for`
         self.chains = RoutedChains(scheduler.models, calls.get)
         self.records: list[ActionRecord] = []
+        self.regimes: list[str] = []  # each row's learning regime (`RoutedScheduler.router_for`)
+        self.regime = GREEDY  # the group's: its rows' most common (set when the rows change)
         self.pacing = DecisionPacing()
         self._plan: ChainPlan | None = None
         self._gate: SpeculationGate | None = None  # the step's
@@ -64,6 +65,8 @@ class RoutedDrafting:
             self._cold = COLD_STEPS if wanted > 2 * COLD_STEPS else 0
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
+        joining = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
+        self._regroup(self.regimes + joining)
         self.pacing.restart()  # decide for the new rows at once
         self._warm(rows)
 
@@ -71,7 +74,15 @@ class RoutedDrafting:
         self.chains.select(keep)
         self.pacing.select(keep)
         self.records = [self.records[i] for i in keep]
+        self._regroup([self.regimes[i] for i in keep])
         self._warm([rows[i] for i in keep])
+
+    def _regroup(self, regimes: list[str]) -> None:
+        """The rows' regimes, and the group's: its rows', or where they differ (a serving engine's
+        group), the most common one's. Set when the rows change, not per step."""
+        self.regimes = regimes
+        if regimes:
+            self.regime = Counter(regimes).most_common(1)[0][0]
 
     def _warm(self, rows: list[SequenceState]) -> None:
         """Size the drafters for the rows' final lengths (`RoutedChains.warm`)."""
@@ -101,9 +112,8 @@ class RoutedDrafting:
         texts = [row.tokens for row in rows]
         start = self._start = time.perf_counter()
         self._setups = setup_count()
-        regime = group_regime(rows)
-        self.router = self.scheduler.router_for(regime)
-        gate = self._gate = self.scheduler.gate(len(rows), regime)
+        self.router = self.scheduler.router_for(self.regime)
+        gate = self._gate = self.scheduler.gate(len(rows), self.regime)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None
