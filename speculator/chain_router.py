@@ -6,8 +6,9 @@ depths. So every fixed single-SSM chain of a grid length, and plain decoding, is
 merged tree of several SSMs is not (on the hardware we measured, one tiny SSM's step is bound by
 per-call overhead, and drafting with several costs 2-3x one for +5% tokens per step).
 
-Rule, for a batch of B rows with predicted matches f[b, i, d] (the predictor's width-1 output,
-times SSM i's online correction at depth d, section 5.1, clipped to the row's tokens wanted):
+Rule, for a batch of B rows with predicted matches f[b, i, d] (the predictor's width-1 output
+through SSM i's online correction at depth d, the line b_id f + c_id of section 5.1, "Slopes",
+clipped to [0, the row's tokens wanted]):
 choose the length d and the set U of SSMs that draft this step; every row takes its best SSM of U,
 e_b = max_{i in U} f[b, i, d]; the score is
 
@@ -282,17 +283,22 @@ class ChainRouter:
             held = None if pacing.held is None else pacing.held.within(max_depths)
             return held if held is not None and any(held.lengths) else self.plain(max_depths)
         self._age()
-        scale = None if self.calibration is None else self.calibration.depth  # [S][D]
+        lines = None if self.calibration is None else self.calibration.lines  # [S][D] slopes, offsets
         if len(hidden) == 1:
             estimates, most = self._predict_one(hidden[0], texts), float(max_depths[0])  # [S][D]
-            scales = scale or [[1.0] * len(self.depths)] * self.num_ssms
-            rows = zip(estimates, scales, strict=True)
-            f = [[min(x * s, most) for x, s in zip(*row, strict=True)] for row in rows]
+            if lines is None:
+                f = [[min(x, most) for x in row] for row in estimates]
+            else:
+                rows = zip(estimates, *lines, strict=True)
+                f = [[min(max(x * b + c, 0.0), most) for x, b, c in zip(*row, strict=True)] for row in rows]
             late = behind()[0] if behind is not None and any(self._costs_one(sampled)[2]) else None
             plan = self._choose_one(f, estimates, [most], late, sampled)
         else:
             raw, cap = self.predict(hidden, texts), np.asarray(max_depths, dtype=np.float64)
-            f = np.minimum(raw * (1.0 if scale is None else np.asarray(scale)), cap[:, None, None])
+            line = (
+                raw if lines is None else np.maximum(raw * np.asarray(lines[0]) + np.asarray(lines[1]), 0.0)
+            )
+            f = np.minimum(line, cap[:, None, None])
             late = behind() if behind is not None and self._costs(len(hidden), sampled)[2].any() else None
             plan = self.choose(f, raw, cap, late, sampled)
         if pacing is not None:

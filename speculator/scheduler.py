@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.majority import count_per_ssm
+from specboost.speculator.prediction_spread import PredictionSpread
 from specboost.speculator.predictor import MatchLengthPredictor
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
@@ -93,8 +94,10 @@ class OnlineCalibration:
         self.accepted = [[0.0] * (len(depths) + 1) for _ in range(num_ssms)]  # [S][D + 1]
         self.predicted = [[0.0] * (len(depths) + 1) for _ in range(num_ssms)]  # [S][D + 1]
         self._depth_list = self.depths.tolist()
+        self.spread = PredictionSpread(num_ssms, len(depths))  # the slopes of section 5.1
         self._grid: torch.Tensor | None = None
         self._depth: list[list[float]] | None = None
+        self._lines: tuple[list[list[float]], list[list[float]]] | None = None
 
     @property
     def grid(self) -> torch.Tensor:
@@ -116,6 +119,16 @@ class OnlineCalibration:
                 for aa, pp, s in rows
             ]
         return self._depth
+
+    @property
+    def lines(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(slopes b_id, offsets c_id) [S][D]: the corrected estimate of a raw f is b_id f + c_id,
+        the scale s_id made a line by the estimates' measured spread (`PredictionSpread`); computed
+        once per update, when first asked for (do not modify). The routed scheduler scores these;
+        the beam scheduler scales its grid by s_id (`grid`)."""
+        if self._lines is None:
+            self._lines = self.spread.lines(self.depth)
+        return self._lines
 
     def ssm_scales(self) -> list[float]:
         """s_i [S]: accepted / predicted match of each SSM's drafts, with the prior."""
@@ -183,7 +196,8 @@ class OnlineCalibration:
         decay = np.where(renewed_ssm, self.momentum, IDLE_DECAY)
         self.accepted = (np.asarray(self.accepted) * decay + accepted).tolist()
         self.predicted = (np.asarray(self.predicted) * decay + predicted_sums).tolist()
-        self._grid = self._depth = None
+        self.spread.observe(ssm, new_predicted[:, :-1], new_accepted[:, :-1], renewed[:, :-1])
+        self._grid = self._depth = self._lines = None
 
     def idle(self, steps: int = 1) -> None:
         """`steps` steps that drafted nothing: all evidence ages by IDLE_DECAY per step, so that
@@ -196,7 +210,7 @@ class OnlineCalibration:
         """All evidence times `factor`."""
         self.accepted = [[x * factor for x in row] for row in self.accepted]
         self.predicted = [[x * factor for x in row] for row in self.predicted]
-        self._grid = self._depth = None
+        self._grid = self._depth = self._lines = None
 
     def observe_one(self, ssm: int, predicted: list[float], d_index: int, matched: float, cap: float) -> None:
         """`observe` of one draft (every step at batch 1), in plain Python: numpy's per-call cost
@@ -204,10 +218,14 @@ class OnlineCalibration:
         self._decay(IDLE_DECAY)
         accepted, predicted_sums = self.accepted[ssm], self.predicted[ssm]  # updated in place
         reach, renew = min(self._depth_list[d_index], cap), self.momentum / IDLE_DECAY
+        estimates, matches = [], []
         for d, depth in enumerate(self._depth_list):
             if depth <= reach:
-                accepted[d] = accepted[d] * renew + min(matched, depth)
-                predicted_sums[d] = predicted_sums[d] * renew + min(predicted[d], cap)
+                estimates.append(min(predicted[d], cap))
+                matches.append(min(matched, depth))
+                accepted[d] = accepted[d] * renew + matches[-1]
+                predicted_sums[d] = predicted_sums[d] * renew + estimates[-1]
+        self.spread.observe_one(ssm, estimates, matches)
         accepted[-1] = accepted[-1] * renew + matched
         predicted_sums[-1] = predicted_sums[-1] * renew + min(predicted[d_index], cap)
 

@@ -198,6 +198,34 @@ def test_declining_lets_the_scales_recover() -> None:
     assert actions[0] == "plain" and actions[-1] == "SSM 0 x4"
 
 
+def _route_states(states: dict[str, tuple[list[float], float]], steps: int) -> dict[str, list[str]]:
+    """Route one SSM over `states` in turn, each its predictor's estimates at depths 1 and 4 (fed as
+    the pass head's output) and the tokens a depth-4 draft gets accepted there; the actions taken
+    at each state."""
+    router = ChainRouter(constant_predictor([[[0.0, 0.0]] * 2]), cost_table(1, VERIFY, SPECULATE), 0.9, None)
+    actions: dict[str, list[str]] = {name: [] for name in states}
+    for step in range(steps):
+        name = list(states)[step % len(states)]
+        estimates, accepted = states[name]
+        plan = router.plan([torch.tensor(estimates)], [1000])
+        actions[name].append(plan.action(0))
+        router.observe(plan, [min(accepted, plan.lengths[0])], 1e-3, 1e-3)
+    return actions
+
+
+def test_states_the_predictor_cannot_tell_apart_are_scored_at_the_measured_mean() -> None:
+    """A predictor whose estimates vary from state to state while the drafts accept alike (its
+    hidden states unlike those it was trained on: section 5.1, "Slopes"): its low estimates are
+    corrected to the measured mean, and the router drafts there too. Scaled only by the ratio
+    accepted / predicted, the state it rates low (0.3 x 1.45) would decode plainly for good."""
+    alike = {"low": ([0.1, 0.3], 4), "high": ([0.9, 3.5], 4), "middle": ([0.6, 2.0], 4)}
+    actions = _route_states(alike, 60)
+    assert actions["low"][0] == "plain" and set(actions["low"][1:]) == {"SSM 0 x4"}
+    told_apart = {"low": ([0.1, 0.3], 0), "high": ([0.9, 3.5], 4), "middle": ([0.6, 2.0], 2)}
+    actions = _route_states(told_apart, 60)
+    assert set(actions["low"]) == {"plain"} and actions["high"][-1] == "SSM 0 x4"
+
+
 def test_a_step_that_compiled_corrects_no_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process's first steps compile graphs and measure seconds for milliseconds: a step during
     which torch.compile compiled corrects no cost (before, 20 s against 1.4 ms held v at its bound

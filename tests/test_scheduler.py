@@ -644,6 +644,8 @@ def test_one_draft_updates_as_the_vectorized_rule(ssm, depth, matched, cap, pred
     many.observe(*draft, fast=False)
     np.testing.assert_allclose(one.accepted, many.accepted)
     np.testing.assert_allclose(one.predicted, many.predicted)
+    np.testing.assert_allclose(one.spread.sums, many.spread.sums)
+    np.testing.assert_allclose(one.lines, many.lines)
 
 
 def test_a_profile_from_a_newer_specboost_loads_without_its_new_fields(tmp_path: Path, caplog) -> None:
