@@ -229,7 +229,8 @@ class PerSequenceDrafting:
             if self.chains and speculator is not self.prototype:  # a copy, maybe last used by another row
                 own = self.prototype.shape.length
                 speculator.shape = replace(speculator.shape, length=own if length is None else length)
-            trees.append(speculator.propose(DraftRequest(row.tokens, depth, row.probs, row.hidden)))
+            stream = row.generator if row.rule is Rule.TARGET else None
+            trees.append(speculator.propose(DraftRequest(row.tokens, depth, row.probs, row.hidden, stream)))
         return trees
 
     def wants_hidden(self) -> bool:

@@ -6,8 +6,9 @@ batch rule: the length, the SSMs that draft, K = 0 per row or for the whole batc
 chosen SSM drafts the chains of its rows in one `BatchedChainDrafter` pass per chain position.
 Greedy rows' chains stay on the device until the verifier reads them back with its verdicts; a
 group with sampled rows (or logits processors) gets host trees, verified by the rows' own rules:
-chains sampled from the SSM for rows verified by MSS (or k-sequential selection), argmax chains for
-the rest (seeded rows: the target rule).
+chains sampled from the SSM for rows verified by MSS (or k-sequential selection), chains coupled to
+the target rule's draws for seeded rows (`batched_drafter.coupled_choice`), argmax chains for the
+rest.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class RoutedDrafting:
             drafted = self.chains.draft(texts, plan)
         else:
             sample = [row.rule in SAMPLED_DRAFT_RULES for row in rows]
-            drafted = self.chains.draft_trees(texts, plan, [row.probs for row in rows], sample)
+            coupled = [row.generator if row.rule is Rule.TARGET else None for row in rows]
+            drafted = self.chains.draft_trees(texts, plan, [row.probs for row in rows], sample, coupled)
         self._drafting = time.perf_counter() - start
         return drafted
 

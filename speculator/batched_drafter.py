@@ -125,10 +125,13 @@ class BatchedChainDrafter:
         probs: list[LogitsToProbs],
         generators: list[torch.Generator | None],
         sample: list[bool] | None = None,
+        coupled: list[torch.Generator | None] | None = None,
     ) -> list[Chain]:
         """A chain of `lengths[b]` tokens after `verified[b]` for every row b (fewer past the SSM's
         context; a row with length 0 drafts nothing and keeps its cache as it is), sampled where
-        `sample[b]` (default: where row b samples), else the argmax of its processed scores.
+        `sample[b]` (default: where row b samples), else coupled to the target rule's draws where
+        `coupled[b]` (the row's random stream, not advanced: `coupled_choice`), else the argmax of
+        its processed scores.
 
         The chains are drawn on the device, one [B, 1] pass per position as `draft_greedy` feeds
         them, and read back once at the end (each row's processors read the history only where they
@@ -157,17 +160,23 @@ class BatchedChainDrafter:
         pooled = [s and g is None for s, g in zip(sample, generators, strict=True)]
         own = [b for b, (s, g) in enumerate(zip(sample, generators, strict=True)) if s and g is not None]
         together = torch.tensor(pooled, device=tokens.device) if any(pooled) else None
+        streams = {  # the target rule's future draws, each coupled row's own
+            b: _copy(g) for b, g in enumerate(coupled or []) if g is not None and not sample[b]
+        }
         qs: list[torch.Tensor] = []
         for step in range(width):
             scores = _row_scores(logits, verified, tokens[:, :step], probs)  # [B, V]
             chosen = scores.argmax(-1)
-            if any(sample):
+            if any(sample) or streams:
                 q = torch.softmax(scores, dim=-1)
                 if together is not None:
                     chosen = torch.where(together, draw(q)[:, 0], chosen)
                 for b in own:  # in a fixed order, only while the row drafts: its stream is its own
                     if step < lengths[b]:
                         chosen[b] = draw(q[b], 1, generators[b])[0]
+                for b, stream in streams.items():
+                    if step < lengths[b]:
+                        chosen[b] = coupled_choice(q[b], stream)
                 qs.append(q)
             tokens[:, step] = chosen
             active = [step + 1 < n for n in lengths]  # the last token of a chain is never fed
@@ -199,6 +208,26 @@ class BatchedChainDrafter:
         for seen, fed in zip(self.seen, feeds, strict=True):
             seen.extend(fed)
         return logits
+
+
+def coupled_choice(q: torch.Tensor, stream: torch.Generator) -> torch.Tensor:
+    """The token q [V] names under the noise the target rule's next draw from `stream` will use
+    (ALGORITHMS.md 5.3, "Seeded rows"): `torch.multinomial(p, 1)` draws E ~ Exp(1) per token of
+    the vocabulary, `empty_like(p).exponential_(1)`, and returns argmax p / E (Gumbel-max), so
+    argmax q / E on the same E is the SSM's guess at the LLM's token, equal to it whenever q and p
+    agree enough (a coupling of the two draws). `stream` advances as the rule's own will, one draw
+    of the vocabulary's size per position; the text stays the seed's whatever is drafted."""
+    noise = torch.empty(q.shape[-1], dtype=torch.float32, device=stream.device).exponential_(
+        1, generator=stream
+    )
+    return (q.float() / noise.to(q.device)).argmax()
+
+
+def _copy(generator: torch.Generator) -> torch.Generator:
+    """A generator at `generator`'s state, advancing on its own."""
+    copy = torch.Generator(generator.device)
+    copy.set_state(generator.get_state())
+    return copy
 
 
 def _row_scores(

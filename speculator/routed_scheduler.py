@@ -7,9 +7,10 @@ cache): a chain costs what a fixed chain of that SSM costs, and an SSM that sat 
 up in one pass when it is chosen again. Greedy decoding drafts argmax chains. Under sampling a
 chain is sampled from the SSM and verified by MSS, which accepts far more of it than the target
 rule accepts of an argmax chain (section 5.3, "Sampling"); except for a seeded sequence: which
-SSM drafts how far follows measured step times, which a seed does not fix, so its drafts are
-argmax chains verified by the target rule, whose one draw per emitted token leaves the text a
-function of the seed alone.
+SSM drafts how far follows measured step times, which a seed does not fix, so it is verified by
+the target rule, whose one draw per emitted token leaves the text a function of the seed alone,
+and its chains are coupled to those draws: each token the SSM's choice under the very noise the
+rule's draw will use (section 5.3, "Seeded rows"; `batched_drafter.coupled_choice`).
 
 A batch (`decoder/routed_drafting.py`) routes its rows together; this class is the strategy of
 one sequence (`propose`) and holds what the batches share: the models, and a router and gates per
@@ -43,8 +44,8 @@ GREEDY, SAMPLED, SEEDED = "greedy", "sampled", "seeded"  # learning regimes: `le
 
 def learning_regime(do_sample: bool, seeded: bool) -> str:
     """Which of the routed scheduler's routers learns from a sequence's steps (`router_for`):
-    greedy decoding, unseeded sampling (sampled chains, MSS) or seeded sampling (argmax chains,
-    the target rule), as `RoutedScheduler.tree_kind` drafts for them."""
+    greedy decoding, unseeded sampling (sampled chains, MSS) or seeded sampling (chains coupled
+    to the target rule's draws), as `RoutedScheduler.tree_kind` drafts for them."""
     if not do_sample:
         return GREEDY
     return SEEDED if seeded else SAMPLED
@@ -92,16 +93,22 @@ class RoutedChains:
         return ChainDraft([v[-1] for v in verified], self._empty[rows], [0] * rows, 0)
 
     def draft_trees(
-        self, verified: list[list[int]], plan: ChainPlan, probs: list[LogitsToProbs], sample: list[bool]
+        self,
+        verified: list[list[int]],
+        plan: ChainPlan,
+        probs: list[LogitsToProbs],
+        sample: list[bool],
+        coupled: list[torch.Generator | None] | None = None,
     ) -> list[TokenTree]:
         """Every row's chain as a host tree: sampled, with its q (for MSS), where `sample[b]`, else
-        the argmax of the row's processed scores."""
+        coupled to the target rule's draws from `coupled[b]` where given (a seeded row), else the
+        argmax of the row's processed scores."""
         kinds = [DraftKind.SAMPLED if s else DraftKind.GREEDY for s in sample]
         trees = [TokenTree.root_only(v[-1], kind) for v, kind in zip(verified, kinds, strict=True)]
         streams: list[torch.Generator | None] = [None] * len(verified)  # unseeded rows sample
         for i, mine in plan.routes():
             lengths = [n if on else 0 for n, on in zip(plan.lengths, mine, strict=True)]
-            chains = self.drafters[i].draft(verified, lengths, probs, streams, sample)
+            chains = self.drafters[i].draft(verified, lengths, probs, streams, sample, coupled)
             for b in (b for b, on in enumerate(mine) if on):
                 trees[b].add_sequence([t for t, _ in chains[b]], i, [q for _, q in chains[b]])
         return trees
@@ -162,10 +169,10 @@ class RoutedScheduler:
         """The router of a group of rows of one `regime` (`learning_regime`): each regime learns
         apart, in a router and gates of its own, on the same predictor and profile. What a regime
         accepts says nothing of another's: greedy verification of argmax chains, MSS of sampled
-        chains, the target rule of a seeded row's argmax chains (the LLM's probability of each
-        token, far less at T = 0.8). Shared, the regime where drafting lost turned speculation off
-        for the other requests decoded between its own (results r40): seeded requests for
-        unseeded ones, and sampled requests on a greedy pool for greedy ones. `router` is the
+        chains, the target rule of a seeded row's coupled chains. Shared, the regime where
+        drafting lost turned speculation off for the other requests decoded between its own
+        (results r40): seeded requests (then drafting argmax chains) for unseeded ones, and
+        sampled requests on a greedy pool for greedy ones. `router` is the
         greedy regime's (the oracle's and the compiled passes' too)."""
         if regime == GREEDY:
             return self.router
@@ -221,7 +228,8 @@ class RoutedScheduler:
         start = time.perf_counter()
         if trees:
             sample = probs.config.do_sample and not self._seeded
-            tree = self.chains.draft_trees([request.verified], self._plan, [probs], [sample])[0]
+            coupled = [request.generator]
+            tree = self.chains.draft_trees([request.verified], self._plan, [probs], [sample], coupled)[0]
         else:
             drafted = self.chains.draft([request.verified], self._plan)
             tree = drafted.trees(drafted.tokens.tolist())[0]

@@ -31,6 +31,10 @@ class DraftRequest:
     # the root; free, as the last verify pass computed it). Only for strategies with wants_hidden,
     # and None when no such state exists yet (a one-token prompt).
     hidden: torch.Tensor | None = None
+    # The random stream the target rule will draw this step's tokens from, for a sequence verified
+    # by it with a stream of its own (a seeded one): drafters may read ahead on a copy of it
+    # (`batched_drafter.coupled_choice`), never advance it. None otherwise.
+    generator: torch.Generator | None = None
 
 
 @dataclass

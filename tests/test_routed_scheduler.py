@@ -317,9 +317,26 @@ def test_a_bad_favourite_is_found_out_and_the_other_ssm_drafts() -> None:
     assert scales[0] < 0.5 < 1.0 < scales[1]
 
 
+@pytest.mark.parametrize("temperature", [0.8, 1.3])
+def test_seeded_rows_draft_what_the_target_rule_will_draw(temperature: float) -> None:
+    """A seeded row's chains are coupled to the target rule's draws (ALGORITHMS.md 5.3, "Seeded
+    rows"): drafted by a copy of the LLM, every token is accepted, and the text is what plain
+    decoding samples with that seed. The argmax chains drafted before had none of these accepted."""
+    llm = tiny_llama(layers=2, seed=0)
+    decoder = routed_decoder(llm, [copy.deepcopy(llm), noisy_copy(llm, 0.3, seed=2)])
+    plain = SpeculativeDecoder(llm, [], strategy="plain")
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    options = dict(max_new_tokens=24, do_sample=True, temperature=temperature)
+    for seed in (0, 1):
+        out = decoder.generate(prompt, seed=seed, **options)
+        assert torch.equal(out.sequences, plain.generate(prompt, seed=seed, **options).sequences)
+        stats = out.stats
+        assert stats.proposed_per_ssm[0] >= 12 and stats.accepted_per_ssm[0] == stats.proposed_per_ssm[0]
+
+
 def test_greedy_sampled_and_seeded_requests_learn_apart() -> None:
     """What one regime accepts says nothing of another's (greedy verification of argmax chains, MSS
-    of sampled chains, the target rule of a seeded row's argmax chains): each routes with a router
+    of sampled chains, the target rule of a seeded row's coupled chains): each routes with a router
     and gates of its own, on the same loop's costs (results r40: shared, the regime where drafting
     lost turned speculation off for the requests of the others decoded between its own)."""
     llm = tiny_llama(layers=2, seed=0)

@@ -834,8 +834,8 @@ def test_target_beam(models) -> None:
 def test_routed_chains(models, batch: int, seeded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The routed scheduler (ALGORITHMS.md section 5.3): per step plain or one SSM's chain, the SSM
     and length from a predictor that favours drafting; alone and in a batch of 4 rows of the prompt
-    routed together. Seeded requests: argmax chains verified by the target rule; unseeded: sampled
-    chains verified by MSS (checked with a spy on the rules). T=1.3, top_k=4."""
+    routed together. Seeded requests: chains coupled to the target rule's draws, verified by it;
+    unseeded: sampled chains verified by MSS (checked with a spy on the rules). T=1.3, top_k=4."""
     used: Counter = Counter()
     for rule in (Rule.MSS, Rule.TARGET):
         monkeypatch.setitem(verify.RULES, rule, counted(verify.RULES[rule], used, rule))

@@ -2,8 +2,9 @@
 its chain length is its strategy's own, not the batch controller's (which follows the other rows),
 so its random draws depend on its seed alone. Both ways of drafting a batch: the pool's chains
 drafted together, and a speculator copy per row (several sampled chains per SSM). The routed
-scheduler decides for the whole batch, but its drafts are argmax chains verified by the target
-rule, which draws one sample per emitted token whatever was drafted."""
+scheduler decides for the whole batch, but its seeded rows are verified by the target rule, which
+draws one sample per emitted token whatever was drafted (their chains only guess those draws:
+ALGORITHMS.md 5.3, "Seeded rows")."""
 
 from __future__ import annotations
 

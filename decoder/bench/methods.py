@@ -175,7 +175,7 @@ def decoder_method(
     """`decoder.generate` on the item (one row, or a ragged batch); its SSM i is `indices[i]`.
     Sampled rows are unseeded requests after seeding torch's global stream, as `llm.generate`'s
     are: what most requests are (a seeded request may verify differently: the routed scheduler's
-    seeded rows draft argmax chains, ALGORITHMS.md 5.3)."""
+    seeded rows draft chains coupled to the target rule's draws, ALGORITHMS.md 5.3)."""
 
     def run(batch: BatchEncoding) -> MethodResult:
         if decoding.do_sample:
