@@ -5,6 +5,7 @@ exact distribution of a tiny-vocabulary model, computed on the GPU)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections import Counter
 
@@ -128,3 +129,21 @@ def test_profile_measures_the_chain_tables_on_cuda(compiled: bool) -> None:
     cost = profile(llm, ssms, config, show_progress=False)
     assert cost.has_chain_costs and cost.has_compiled_chain_costs == compiled
     assert min(min(row) for row in cost.chain_verify_seconds) > 0
+
+
+def test_seeded_chains_are_coupled_to_the_target_rule_on_cuda() -> None:
+    """A seeded row's chains take the target rule's own exponential noise from a copy of the
+    row's CUDA stream (ALGORITHMS.md 5.3, "Seeded rows"): drafted by a copy of the LLM, (nearly)
+    every token is accepted, and the text is plain seeded decoding's."""
+    llm, _ = greedy_models()
+    decoder = SpeculativeDecoder(
+        llm, [copy.deepcopy(llm), noisy_copy(llm, 0.3, seed=2)], **CONFIGS["learned"]
+    )
+    plain = SpeculativeDecoder(llm, [], strategy="plain")
+    options = dict(max_new_tokens=24, do_sample=True, temperature=0.8)
+    for seed, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = decoder.generate(ids, seed=seed, **options)
+        assert out.sequences.tolist() == plain.generate(ids, seed=seed, **options).sequences.tolist()
+        proposed, accepted = out.stats.proposed_per_ssm[0], out.stats.accepted_per_ssm[0]
+        assert proposed >= 8 and accepted >= 0.9 * proposed
