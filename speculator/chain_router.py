@@ -165,7 +165,7 @@ class ChainRouter:
             None
             if calibration is None
             else OnlineCalibration(
-                self.num_ssms, 1, tuple(self.depths.tolist()), calibration, torch.device("cpu")
+                self.num_ssms, 1, tuple(self.depths.tolist()), calibration, torch.device("cpu"), slopes=True
             )
         )
         self.stretches = Stretches(self.num_ssms)

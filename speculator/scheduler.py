@@ -85,8 +85,16 @@ class OnlineCalibration:
     """
 
     def __init__(
-        self, num_ssms: int, widths: int, depths: tuple[int, ...], momentum: float, device: torch.device
+        self,
+        num_ssms: int,
+        widths: int,
+        depths: tuple[int, ...],
+        momentum: float,
+        device: torch.device,
+        slopes: bool = False,
     ) -> None:
+        """`slopes`: also keep the regression sums behind `lines` (the routed scheduler's; the beam
+        scheduler scales by s_id alone and would only pay for them)."""
         self.widths, self.momentum, self.device = widths, momentum, device
         self.depths = np.asarray(depths, dtype=np.float64)  # [D]
         self._grid_depth = np.tile(np.arange(len(depths)), widths)  # depth index of each grid entry
@@ -94,7 +102,7 @@ class OnlineCalibration:
         self.accepted = [[0.0] * (len(depths) + 1) for _ in range(num_ssms)]  # [S][D + 1]
         self.predicted = [[0.0] * (len(depths) + 1) for _ in range(num_ssms)]  # [S][D + 1]
         self._depth_list = self.depths.tolist()
-        self.spread = PredictionSpread(num_ssms, len(depths))  # the slopes of section 5.1
+        self.spread = PredictionSpread(num_ssms, len(depths)) if slopes else None  # 5.1, "Slopes"
         self._grid: torch.Tensor | None = None
         self._depth: list[list[float]] | None = None
         self._lines: tuple[list[list[float]], list[list[float]]] | None = None
@@ -126,6 +134,8 @@ class OnlineCalibration:
         the scale s_id made a line by the estimates' measured spread (`PredictionSpread`); computed
         once per update, when first asked for (do not modify). The routed scheduler scores these;
         the beam scheduler scales its grid by s_id (`grid`)."""
+        if self.spread is None:
+            raise ValueError("this correction keeps no slopes: build it with slopes=True")
         if self._lines is None:
             self._lines = self.spread.lines(self.depth)
         return self._lines
@@ -196,7 +206,8 @@ class OnlineCalibration:
         decay = np.where(renewed_ssm, self.momentum, IDLE_DECAY)
         self.accepted = (np.asarray(self.accepted) * decay + accepted).tolist()
         self.predicted = (np.asarray(self.predicted) * decay + predicted_sums).tolist()
-        self.spread.observe(ssm, new_predicted[:, :-1], new_accepted[:, :-1], renewed[:, :-1])
+        if self.spread is not None:
+            self.spread.observe(ssm, new_predicted[:, :-1], new_accepted[:, :-1], renewed[:, :-1])
         self._grid = self._depth = self._lines = None
 
     def idle(self, steps: int = 1) -> None:
@@ -225,7 +236,8 @@ class OnlineCalibration:
                 matches.append(min(matched, depth))
                 accepted[d] = accepted[d] * renew + matches[-1]
                 predicted_sums[d] = predicted_sums[d] * renew + estimates[-1]
-        self.spread.observe_one(ssm, estimates, matches)
+        if self.spread is not None:
+            self.spread.observe_one(ssm, estimates, matches)
         accepted[-1] = accepted[-1] * renew + matched
         predicted_sums[-1] = predicted_sums[-1] * renew + min(predicted[d_index], cap)
 

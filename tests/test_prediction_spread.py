@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specboost.speculator.prediction_spread import SLOPE_MAX, SLOPE_PRIOR, PredictionSpread
+from specboost.speculator.scheduler import OnlineCalibration
 
 
 def test_no_spread_measured_is_the_ratio_correction() -> None:
@@ -74,3 +76,12 @@ def test_a_batch_of_drafts_decays_each_renewed_entry_once() -> None:
     assert spread.sums[0][1] == pytest.approx(
         [0.98 * x + y for x, y in zip(before[0][1], [1.0, 3.0, 2.0, 9.0, 6.0], strict=True)]
     )
+
+
+def test_only_a_correction_built_with_slopes_keeps_them() -> None:
+    """The beam scheduler's correction (ratio scales only) pays for no regression sums."""
+    ratio_only = OnlineCalibration(1, 1, (1, 4), 0.9, torch.device("cpu"))
+    ratio_only.observe_one(0, [1.0, 3.0], 1, 2.0, 8.0)
+    assert ratio_only.spread is None
+    with pytest.raises(ValueError, match="slopes=True"):
+        ratio_only.lines  # noqa: B018

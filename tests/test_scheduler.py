@@ -633,7 +633,7 @@ def test_cost_correction_in_the_per_ssm_path(clock: list[float]) -> None:
 )
 def test_one_draft_updates_as_the_vectorized_rule(ssm, depth, matched, cap, predicted, history) -> None:
     """The plain-Python update of one draft (batch 1, every step) equals the vectorized one."""
-    one, many = (OnlineCalibration(3, 1, DEPTHS, 0.9, torch.device("cpu")) for _ in range(2))
+    one, many = (OnlineCalibration(3, 1, DEPTHS, 0.9, torch.device("cpu"), slopes=True) for _ in range(2))
     for i, d, m in history:  # some evidence first, the same in both
         for calibration in (one, many):
             calibration.observe(
