@@ -138,7 +138,18 @@ def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp
     match, greedy_match = torch.tensor(labels["match"]), torch.tensor(greedy["match"])
     assert torch.equal(match[:, :, 1:], greedy_match[:, :, 1:].float())
     assert torch.allclose(match[:, 0, 0], torch.tensor(DEPTHS, dtype=torch.float32), atol=1e-5)
-    llm, ssm = AutoModelForCausalLM.from_pretrained(llm_dir), AutoModelForCausalLM.from_pretrained(ssms[1])
+    check_sampled_labels(labels, llm_dir, ssms[1], distilled, temperature)
+    assert (match[:, 1, 0] < match[:, 0, 0]).all()  # the one-layer SSM accepts less than the LLM's copy
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        PredictorDataConfig(llm_dir, tuple(ssms), distilled, temperature=0.0)
+    with pytest.raises(ValueError, match="add width 1"):
+        PredictorDataConfig(llm_dir, tuple(ssms), distilled, widths=(2,), temperature=0.8)
+
+
+def check_sampled_labels(labels, llm_dir: str, ssm_dir: str, distilled: str, temperature: float) -> None:
+    """Rows of `labels` (SSM 1's, width 1) equal sum_k prod_{j < k} (1 - TV(p, q)) computed one
+    prefix per forward pass."""
+    llm, ssm = AutoModelForCausalLM.from_pretrained(llm_dir), AutoModelForCausalLM.from_pretrained(ssm_dir)
     table = {r["id"]: r for r in pq.read_table(Path(distilled) / "data.parquet").to_pylist()}
     for row in list(labels)[:: max(1, len(labels) // 5)]:
         sequence, t = table[row["id"]]["prompt_ids"] + table[row["id"]]["output_ids"], row["position"]
@@ -150,11 +161,44 @@ def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp
             accept.append(float(torch.minimum(p, q).sum()))
         expected = torch.tensor(accept).cumprod(0).cumsum(0)[[d - 1 for d in DEPTHS]]
         assert torch.allclose(torch.tensor(row["match"])[1, 0], expected, atol=1e-4)
-    assert (match[:, 1, 0] < match[:, 0, 0]).all()  # the one-layer SSM accepts less than the LLM's copy
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        PredictorDataConfig(llm_dir, tuple(ssms), distilled, temperature=0.0)
-    with pytest.raises(ValueError, match="add width 1"):
-        PredictorDataConfig(llm_dir, tuple(ssms), distilled, widths=(2,), temperature=0.8)
+
+
+def test_sampled_chains_alone_are_labelled_along_sampled_text(setup, tmp_path: Path) -> None:
+    """Text sampled from the LLM leaves its greedy path within a few tokens, so greedy labels find
+    no position of it usable; with a temperature and width 1 alone (on-policy labels for a pool
+    that serves sampled requests) no label needs the greedy continuation, and every position with
+    max(depths) tokens after it is labelled by the sampled rule."""
+    llm_dir, ssms, _ = setup
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    torch.manual_seed(3)
+    prompts = [[5 + i, 9, 7 + i] for i in range(4)]
+    rows = []
+    for prompt in prompts:
+        out = llm.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=True,
+            temperature=1.5,
+            top_k=0,
+            eos_token_id=None,
+        )
+        rows.append((prompt, out[0, len(prompt) :].tolist()))
+    sampled_text = write_distilled(tmp_path / "sampled-text", rows)
+    with pytest.raises(ValueError, match=r"no usable positions.*--temperature T --widths 1"):
+        collect(PredictorDataConfig(llm_dir, tuple(ssms), sampled_text, depths=DEPTHS), tmp_path / "greedy")
+    config = PredictorDataConfig(
+        llm_dir, tuple(ssms), sampled_text, widths=(1,), depths=DEPTHS, temperature=0.8
+    )
+    metadata = collect(config, tmp_path / "on-policy")
+    labels = load_labels(tmp_path / "on-policy")
+    positions = [range(len(p) - 1, len(p) + len(o) - max(DEPTHS) + 1, config.stride) for p, o in rows]
+    assert metadata["rows"] == sum(len(r) for r in positions) > 0
+    assert metadata["skipped_positions_this_run"] == sum(
+        len(range(len(p) - 1, len(p) + len(o) - 1, config.stride)) - len(r)
+        for (p, o), r in zip(rows, positions, strict=True)
+    )  # only the positions too close to the end for a chain of max(depths)
+    assert torch.tensor(labels["match"]).shape[1:] == (2, 1, len(DEPTHS))
+    check_sampled_labels(labels, llm_dir, ssms[1], sampled_text, 0.8)
 
 
 def test_collect_resumes_after_a_kill_without_loss_or_duplicates(

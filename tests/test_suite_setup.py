@@ -17,6 +17,7 @@ from specboost.decoder.bench.records import GREEDY, Decoding
 from specboost.decoder.bench.suite import candidates, read_fixture
 from specboost.decoder.bench.workloads import CATEGORIES
 from specboost.decoder.cli import main
+from specboost.decoder.profiler import SAMPLED_TEMPERATURE
 from specboost.speculator.prompt_sets import BUNDLED_PROMPT_SETS
 from specboost.training import bench_fixture
 from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps
@@ -40,6 +41,7 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
         # the pool for sampling, last
         "distill-sampled-tinystories_train_openings+self_instruct_seed+eagle_qa+gsm8k",
         "boost-sampled",
+        "distill-sampled-gutenberg_openings+eagle_alpaca+eagle_gsm8k",
         "predictor-data-sampled",
         "predictor-sampled",
         "profile-sampled",
@@ -151,6 +153,20 @@ def test_a_pool_of_specialists_learns_a_mix_and_a_generalist_the_same_data(tmp_p
     assert steps["export-generalist"].output == cache / "generalist-export" / "specboost_pool.json"
     assert option("boost-sampled", "--distilled") == str(cache / "distill-sampled" / pool_data.name)
     assert option(f"distill-sampled-{pool_data.name}", "--prompts") == spec.pool_prompts
+    # The sampled pool's predictor learns along the predictor prompts' text sampled at the profile's
+    # temperature (on-policy, ALGORITHMS.md 5), sampled chains alone; the greedy pool's, along greedy text.
+    predictor_text = cache / "distill-sampled" / "+".join(predictor_sets)
+    sampled_text = steps[f"distill-sampled-{predictor_text.name}"].argv
+    assert option(f"distill-sampled-{predictor_text.name}", "--prompts") == spec.predictor_prompts
+    assert sampled_text[-3:] == ("--do-sample", "--temperature", str(SAMPLED_TEMPERATURE))
+    assert option("predictor-data-sampled", "--distilled") == str(predictor_text)
+    assert steps["predictor-data-sampled"].argv[-4:] == (
+        "--temperature",
+        str(SAMPLED_TEMPERATURE),
+        "--widths",
+        "1",
+    )
+    assert option("predictor-data", "--distilled") == str(cache / "distill" / predictor_text.name)
 
 
 def fake_steps(tmp_path: Path) -> list[Step]:
@@ -345,6 +361,7 @@ LLM = "artifacts/reference-llm/small/model"
 SSMS = [f"{SMALL}/pool/ssm-{i}" for i in range(3)]
 POOL_PROMPTS = "tinystories_train_openings:400,self_instruct_seed:200,eagle_qa:200,gsm8k:200"
 POOL_DATA = "tinystories_train_openings+self_instruct_seed+eagle_qa+gsm8k"
+PREDICTOR_PROMPTS = "gutenberg_openings:60,eagle_alpaca:40,eagle_gsm8k:40"
 PREDICTOR_DATA = "gutenberg_openings+eagle_alpaca+eagle_gsm8k"
 DISTILL_FLAGS = ("--max-new-tokens", "64", "--batch-size", "16", "--keep-wrong-answers")
 RECORDED_ARGV = {
@@ -367,7 +384,7 @@ RECORDED_ARGV = {
     f"distill-{PREDICTOR_DATA}": [
         *("specboost.training.distill", "--llm", LLM, "--prompts"),
         *(
-            "gutenberg_openings:60,eagle_alpaca:40,eagle_gsm8k:40",
+            PREDICTOR_PROMPTS,
             "--out",
             f"{SMALL}/distill/{PREDICTOR_DATA}",
         ),
@@ -415,11 +432,18 @@ RECORDED_ARGV = {
         *("--llm", LLM, "--out", f"{SMALL}/pool-sampled", "--num-ssms", "3", "--max-steps", "1200"),
         *("--loss", "kl", "--boost-mode", "sampled"),
     ],
+    # The predictor prompts' text sampled at T = 0.8, the sampled pool's labels along it (on-policy,
+    # ALGORITHMS.md 5): rebuilds from here on.
+    f"distill-sampled-{PREDICTOR_DATA}": [
+        *("specboost.training.distill", "--llm", LLM, "--prompts", PREDICTOR_PROMPTS),
+        *("--out", f"{SMALL}/distill-sampled/{PREDICTOR_DATA}", *DISTILL_FLAGS),
+        *("--do-sample", "--temperature", "0.8"),
+    ],
     "predictor-data-sampled": [
         *("specboost.training.predictor_data", "--llm", LLM, "--ssm"),
         *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
-        *("--distilled", f"{SMALL}/distill/{PREDICTOR_DATA}", "--out", f"{SMALL}/predictor-data-sampled"),
-        *("--temperature", "0.8"),  # the sampled rule (ALGORITHMS.md 5): rebuilds from here on
+        *("--distilled", f"{SMALL}/distill-sampled/{PREDICTOR_DATA}"),
+        *("--out", f"{SMALL}/predictor-data-sampled", "--temperature", "0.8", "--widths", "1"),
     ],
     "predictor-sampled": [
         *("specboost.training.train_predictor", "--labels", f"{SMALL}/predictor-data-sampled"),

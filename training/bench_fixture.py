@@ -16,10 +16,11 @@ export; then the generalist, the baseline the specialists must beat: one SSM boo
 greedily on the same data for as many steps as the whole pool took -> its export (a pool of one
 SSM, no predictor or profile: the suite's `generalist` rows run its chain); then the pool for
 sampling: sampled distillation data on the pool's mix (the LLM's top-K distributions at the
-sampling temperature) -> a pool boosted for sampling on them -> its predictor labels (on the
-second mix, its SSMs' sampled chains' expected acceptance at the profile's sampling temperature,
-the sampled rule of ALGORITHMS.md 5; greedy match lengths had ranked its SSMs otherwise than
-their sampled chains accept) -> its predictor -> its
+sampling temperature) -> a pool boosted for sampling on them -> the second mix's text sampled at
+that temperature -> its predictor labels (along that text, its SSMs' sampled chains' expected
+acceptance at the profile's sampling temperature, the sampled rule of ALGORITHMS.md 5; greedy
+match lengths had ranked its SSMs otherwise than their sampled chains accept, and greedy text
+had shown the predictor states sampled requests never meet) -> its predictor -> its
 hardware profile (`specboost profile`) -> its export (no Sequoia vectors). Distillation folders
 and steps are named as `distill` names a run (`default_out_name`: the sets joined with "+").
 Everything but the reference LLM goes into the cache folder ARTIFACTS/bench-fixture/<fixture>.
@@ -86,10 +87,13 @@ class FixtureSpec:
     # Spans of 8 output positions over 4 EM rounds: the largest hindsight union of the splits
     # measured on this data (ALGORITHMS.md 4.1).
     boost_flags: tuple[str, ...] = ("--boost-mode", "specialists", "--em-rounds", "4", "--em-span", "8")
-    # The pool for sampling: distill_flags plus these (the same prompts); its boost flags.
-    sampled_distill_flags: tuple[str, ...] = (
-        *("--do-sample", "--temperature", "0.8", "--num-samples", "4", "--top-k-probs", "64"),
-    )
+    # Text sampled at the profile's sampling temperature (decoder/profiler.py SAMPLED_TEMPERATURE):
+    # distill_flags plus these. The sampled pool's predictor is labelled along such text of the
+    # predictor prompts, the states sampled requests meet (ALGORITHMS.md 5, "On-policy labels").
+    sampled_text_flags: tuple[str, ...] = ("--do-sample", "--temperature", "0.8")
+    # The pool for sampling: its distillation data (the pool's prompts, sampled_text_flags plus
+    # these) and its boost flags.
+    sampled_distill_flags: tuple[str, ...] = ("--num-samples", "4", "--top-k-probs", "64")
     # 1200 steps per round (3x the greedy pool's): a distribution is slower to fit than an argmax
     # path; at 400 the measured TV at T = 0.8 was 0.39-0.43, at 1200 0.27-0.29 (docs/results.md).
     sampled_boost_flags: tuple[str, ...] = ("--max-steps", "1200", "--loss", "kl", "--boost-mode", "sampled")
@@ -211,12 +215,18 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
     reference_llm = _module("training.reference_llm", "--preset", spec.preset, "--out", str(paths.llm.parent))
 
     def predictor_steps(
-        boosted: Path, models: list[str], labels: Path, suffix: str = "", flags: tuple[str, ...] = ()
+        boosted: Path,
+        models: list[str],
+        labels: Path,
+        text: Path = distilled[spec.predictor_prompts],
+        suffix: str = "",
+        flags: tuple[str, ...] = (),
     ) -> list[Step]:
-        """Labels (each SSM's true match lengths after the predictor prompts) and the predictor."""
+        """Labels (each SSM's true match lengths along `text`, the predictor prompts' distilled
+        outputs) and the predictor."""
         data = _module(
             "training.predictor_data",
-            *("--llm", llm, "--ssm", *models, "--distilled", str(distilled[spec.predictor_prompts])),
+            *("--llm", llm, "--ssm", *models, "--distilled", str(text)),
             *("--out", str(labels), *flags),
         )
         train = _module(
@@ -280,19 +290,25 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         export(pool, paths.export),
         Step("generalist", generalist, paths.generalist / "boost_record.json", speed),
         export(paths.generalist, paths.generalist_export, "-generalist"),
-        distill(spec.pool_prompts, "distill-sampled", spec.sampled_distill_flags),
+        distill(
+            spec.pool_prompts, "distill-sampled", (*spec.sampled_text_flags, *spec.sampled_distill_flags)
+        ),
         Step(
             "boost-sampled",
             boost(sampled_distilled, sampled, spec.sampled_boost_flags),
             sampled / "boost_record.json",
             speed,
         ),
+        distill(spec.predictor_prompts, "distill-sampled", spec.sampled_text_flags),
         *predictor_steps(
             sampled,
             sampled_ssms,
             paths.cache / "predictor-data-sampled",
+            paths.cache / "distill-sampled" / default_out_name(spec.predictor_prompts),
             "-sampled",
-            ("--temperature", str(SAMPLED_TEMPERATURE)),  # the sampled chains' acceptance, as profiled
+            # The sampled chains' acceptance, as profiled, along sampled text: chains alone (wider
+            # beams' greedy labels would need the LLM's greedy continuation, which sampled text leaves).
+            ("--temperature", str(SAMPLED_TEMPERATURE), "--widths", "1"),
         ),
         Step("profile-sampled", profile(sampled, sampled_ssms, True), sampled / PROFILE_FILE),
         export(sampled, paths.sampled_export, "-sampled"),

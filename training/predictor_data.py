@@ -22,11 +22,18 @@ labels; the greedy match of an SSM's argmax chain ranks SSMs by something else (
 fixture's sampled pool it put SSM 2 at or above SSM 0, whose 1 - TV and fixed chains are the
 best). Wider beams keep the greedy rule: the beam scheduler drafts deterministic beams.
 
+With `--temperature T --widths 1` no label needs the LLM's greedy continuation, so the labels can
+follow text sampled at T (`distill --do-sample --temperature T`): the hidden states the decoder
+meets serving sampled requests (on-policy). Labelled along greedy text, the tiny fixture's sampled
+predictor had held-out R^2 0.86-0.94 there, and a correlation of -0.10 to -0.05 with what was
+accepted while decoding at T = 0.8 (docs/results.md r41, r43).
+
 The LLM's greedy continuation comes from one teacher-forced pass over the sample: r_1 is the
 LLM's argmax after x_t, r_2 its argmax after x_{t+1}, ... as long as r_j = x_{t+j}; where the
 sample leaves the LLM's greedy path (sampled distillation data, numerical ties) the continuation
 beyond that point is unknown, so positions without a known continuation of max(depths) tokens
-are skipped (counted). Use greedy distillation data: nearly every position is then usable.
+are skipped (counted). Use greedy distillation data for greedy labels: nearly every position is
+then usable.
 
 Beam search runs batched: all positions of a sample at once, each position's `width` beams as
 rows of one left-padded batch with a shared KV cache; the beams alive after d steps are exactly
@@ -94,6 +101,11 @@ class PredictorDataConfig:
             raise ValueError("stride, max_positions_per_sample and shard_size must be >= 1")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError("max_samples must be >= 1")
+
+    @property
+    def greedy_widths(self) -> tuple[int, ...]:
+        """The widths labelled by the greedy match (they need the LLM's greedy continuation)."""
+        return tuple(b for b in self.widths if self.temperature is None or b > 1)
 
     def identity(self) -> dict[str, Any]:
         """What the shards depend on (resuming with other settings is refused), as JSON reads back."""
@@ -168,29 +180,27 @@ def sample_rows(
     candidates = list(range(first, len(sequence) - 1, config.stride))[: config.max_positions_per_sample]
     kept, references = [], []
     for t in candidates:
-        reference = greedy_reference(tokens, choices, t, depth)
-        if reference is not None:
+        # Sampled chains alone are labelled along the sample itself: any text, sampled text too.
+        reference = greedy_reference(tokens, choices, t, depth) if config.greedy_widths else []
+        if reference is not None and t + depth <= len(sequence):
             kept.append(t)
             references.append(reference)
     if not kept:
         return [], len(candidates)
-    contexts = [sequence[: t + 1] for t in kept]
-    reference = torch.tensor(references)
-    match = torch.stack(
-        [
-            torch.stack(
-                [
-                    beam_match_lengths(ssm, contexts, reference, b, config.depths, pad_id)
-                    for b in config.widths
-                ],
-                1,
-            )
-            for ssm in ssms
-        ],
-        1,
-    )  # [P, num_ssms, widths, depths]
+    contexts, reference = [sequence[: t + 1] for t in kept], torch.tensor(references)
+    match = torch.zeros(
+        len(kept),
+        len(ssms),
+        len(config.widths),
+        len(config.depths),
+        dtype=torch.long if config.temperature is None else torch.float,
+    )
+    for w, width in enumerate(config.widths):
+        if width in config.greedy_widths:
+            for i, ssm in enumerate(ssms):
+                match[:, i, w] = beam_match_lengths(ssm, contexts, reference, width, config.depths, pad_id)
     if config.temperature is not None:
-        match, chain = match.float(), config.widths.index(1)
+        chain = config.widths.index(1)
         probs = LogitsToProbs(SamplingConfig(do_sample=True, temperature=config.temperature))
         p = probs(logits)  # [T, V], once for every SSM
         for i, ssm in enumerate(ssms):
@@ -274,7 +284,8 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
         raise ValueError(
             f"no usable positions in {config.distilled}: samples need at least {max(config.depths)} "
             "tokens of the LLM's greedy continuation (use greedy distillation data with "
-            f"--max-new-tokens > {max(config.depths)})"
+            f"--max-new-tokens > {max(config.depths)}; sampled text serves sampled chains alone: "
+            "--temperature T --widths 1)"
         )
     dataset = save_dataset(rows, out)
     metadata = {
@@ -310,7 +321,11 @@ def parse_args(argv: list[str] | None) -> tuple[PredictorDataConfig, Path]:
     )
     p.add_argument("--llm", required=True, help="the LLM folder (save_pretrained)")
     p.add_argument("--ssm", dest="ssms", required=True, nargs="+", help="SSM folders, in pool order")
-    p.add_argument("--distilled", required=True, help="a distill run folder (greedy data)")
+    p.add_argument(
+        "--distilled",
+        required=True,
+        help="a distill run folder (greedy data; sampled at T for --temperature T --widths 1)",
+    )
     p.add_argument("--out", required=True, type=Path, help="run folder (resumes when rerun)")
     p.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     p.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
