@@ -10,7 +10,8 @@ Token trees are fed on top, in index order: their K/V land after the widest row,
 max(lengths), as *pending* nodes that later nodes see only through their ancestor masks. `commit`
 then appends to each row the pending nodes it keeps (the accepted path) by in-place index copies
 and drops the others. A chain whose kept nodes are a prefix of what was fed, in a row as wide as
-the batch, moves nothing. Sliding-window layers are masked by position (`AttentionLayout`), so
+the batch, moves nothing. A compiled cache feeds a chain too long for its room after the widest
+row in parts, rather than grow to a capacity its compiled passes have not met. Sliding-window layers are masked by position (`AttentionLayout`), so
 every layer is a full one and compaction stays exact.
 
 With a compiled model call, shapes are kept to a few buckets (rows padded to powers of two, fed
@@ -455,9 +456,12 @@ class TreeCache:
         """Append chain `chains[b]` to row b's text (a prompt, tokens verified since the row's last
         pass) in ONE pass and commit it (or leave it pending); the logits [B, V] (and last hidden
         states [B, H]) after each row's last token (garbage for a row fed nothing). No pending
-        nodes may be in flight."""
+        nodes may be in flight. A compiled cache feeds chains longer than its room after the widest
+        row in parts (`_feed_in_parts`) rather than grow."""
         assert self.pending == 0, "commit the pending nodes first"
         n = max(1, max(map(len, chains), default=0))
+        if commit and self.compiled is not None and 0 < self.capacity - self.width < n:
+            return self._feed_in_parts(chains, output_hidden)
         tokens = torch.tensor([[*chain, *[0] * (n - len(chain))] for chain in chains], device=self.device)
         sizes = torch.tensor([len(c) for c in chains], device=self.device)
         step = torch.arange(n, device=self.device)
@@ -475,6 +479,30 @@ class TreeCache:
         rows = torch.arange(self.rows, device=self.device)
         columns = torch.tensor([kept.index(i) for i in last], device=self.device)
         return FedOutput(out.logits[rows, columns], None if out.hidden is None else out.hidden[rows, columns])
+
+    def _feed_in_parts(self, chains: Sequence[Sequence[int]], output_hidden: bool) -> FedOutput:
+        """`feed_chains` of chains that do not fit after the widest row, in parts that do, each
+        committed before the next; each row's outputs from the part that held its last token.
+        Fed nodes sit after the widest row and move to their row's place at the commit, so one pass
+        of a row far behind needs about twice its text's room: an SSM's catch-up after a stretch
+        of plain steps (ALGORITHMS.md 5.4) grew a drafter's cache to a capacity no warm-up had met,
+        and every expected pass compiled inside a timed run (the quick suite's batch-8 engine: 28
+        graphs, 33-129 s). A row's text still never outgrows the capacity its warm-up set."""
+        rest = [list(chain) for chain in chains]
+        logits: torch.Tensor | None = None
+        hidden: torch.Tensor | None = None
+        while any(rest):
+            room = max(1, self.capacity - self.width)
+            part, rest = [chain[:room] for chain in rest], [chain[room:] for chain in rest]
+            out = self.feed_chains(part, eager=True, output_hidden=output_hidden)
+            ends = torch.tensor(
+                [bool(p) and not r for p, r in zip(part, rest, strict=True)], device=self.device
+            )
+            logits = out.logits if logits is None else torch.where(ends[:, None], out.logits, logits)
+            if out.hidden is not None:
+                hidden = out.hidden if hidden is None else torch.where(ends[:, None], out.hidden, hidden)
+        assert logits is not None
+        return FedOutput(logits, hidden)
 
     def feed_column(self, tokens: torch.Tensor, active: Sequence[bool]) -> torch.Tensor:
         """Append one token per active row (`tokens` [B], on the device: nothing is read back) and

@@ -368,6 +368,28 @@ def test_a_pass_whose_padding_alone_would_not_fit_runs_eagerly() -> None:
     torch.testing.assert_close(outputs[1], outputs[0])
 
 
+def test_a_compiled_cache_feeds_a_catch_up_past_its_room_in_parts() -> None:
+    """Fed chains sit after the widest row until committed, so a row far behind (an SSM's catch-up
+    after plain steps) needs about twice its text's room in one pass. A compiled cache feeds such
+    chains in parts that fit and keeps its capacity (growing had met a capacity no warm-up had, and
+    compiled every expected pass inside a timed run); every row holds its text, and each row's
+    logits and hidden state are those after its last token, as one pass on a larger cache gives."""
+    llm = llm_for("llama")
+    texts = [list(range(3, 13)), [4, 5]]
+    chains = [[20, 21], list(range(22, 34)), []]  # row 1: 12 tokens after the widest row's 10; row 2: none
+    outputs, caches = [], []
+    for capacity, compiled in ((64, None), (16, CompiledPass(lambda: tree_pass))):
+        cache = TreeCache(llm, 3, capacity, compiled)
+        cache.feed_chains([*texts, [6]], eager=True)
+        outputs.append(cache.feed_chains(chains, output_hidden=True))
+        assert cache.capacity == capacity
+        caches.append(cache)
+    for row, text in enumerate([texts[0] + chains[0], texts[1] + chains[1], [6]]):
+        assert_row_holds(caches[1], row, llm, text)
+    torch.testing.assert_close(outputs[1].logits[:2], outputs[0].logits[:2])
+    torch.testing.assert_close(outputs[1].hidden[:2], outputs[0].hidden[:2])
+
+
 def test_a_compiled_pass_is_warmed_at_every_smaller_row_bucket() -> None:
     """A group shrinks through the row buckets as its rows finish, but one step may finish several
     rows and skip a bucket: the first cache of (rows, capacity) to meet the call also runs every
