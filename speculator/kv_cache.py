@@ -11,8 +11,9 @@ max(lengths), as *pending* nodes that later nodes see only through their ancesto
 then appends to each row the pending nodes it keeps (the accepted path) by in-place index copies
 and drops the others. A chain whose kept nodes are a prefix of what was fed, in a row as wide as
 the batch, moves nothing. A compiled cache feeds a chain too long for its room after the widest
-row in parts, rather than grow to a capacity its compiled passes have not met. Sliding-window layers are masked by position (`AttentionLayout`), so
-every layer is a full one and compaction stays exact.
+row in parts, rather than grow to a capacity its compiled passes have not met. Sliding-window
+layers are masked by position (`AttentionLayout`), so every layer is a full one and compaction
+stays exact.
 
 With a compiled model call, shapes are kept to a few buckets (rows padded to powers of two, fed
 nodes and the fed nodes they may see to `NODE_BUCKETS`, the capacity to multiples of

@@ -25,8 +25,8 @@ best). Wider beams keep the greedy rule: the beam scheduler drafts deterministic
 With `--temperature T --widths 1` no label needs the LLM's greedy continuation, so the labels can
 follow text sampled at T (`distill --do-sample --temperature T`): the hidden states the decoder
 meets serving sampled requests (on-policy). Labelled along greedy text, the tiny fixture's sampled
-predictor had held-out R^2 0.86-0.94 there, and a correlation of -0.10 to -0.05 with what was
-accepted while decoding at T = 0.8 (docs/results.md r41, r43).
+predictor fitted those labels with held-out R^2 0.86-0.94, yet while decoding at T = 0.8 its
+estimates had a correlation of -0.10 to -0.05 with what was accepted (docs/results.md r41, r43).
 
 The LLM's greedy continuation comes from one teacher-forced pass over the sample: r_1 is the
 LLM's argmax after x_t, r_2 its argmax after x_{t+1}, ... as long as r_j = x_{t+j}; where the
