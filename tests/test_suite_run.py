@@ -16,10 +16,11 @@ from test_export_pool import add_predictor_and_profile, make_boost
 from specboost.decoder.bench.diversity import greedy_outputs, pool_diversity
 from specboost.decoder.bench.methods import Models, generate_method
 from specboost.decoder.bench.records import GREEDY, Decoding
-from specboost.decoder.bench.suite import SuiteConfig, measured_tv
+from specboost.decoder.bench.suite import SuiteConfig, measured_tv, oracle_decoder, oracle_method
 from specboost.decoder.bench.workloads import Prompt, encode_batches
 from specboost.decoder.cli import main
 from specboost.decoder.tiny_models import build_tiny_models
+from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.sequoia_acceptance import ACCEPTANCE_FILE, AcceptanceVector, save_acceptance_file
 from specboost.training import bench_fixture, export
 
@@ -311,6 +312,25 @@ def test_an_ssm_that_is_the_llm_matches_as_far_as_a_chain_can(models: tuple[Path
         )
         assert walks["best_member"] == 1 and set(walks["gain"].values()) == {1.0}
     assert list(diversity.by_length) == [chain, 5]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_oracle_rows_route_on_true_lengths_on_their_own_loop(
+    models: tuple[Path, Path], compiled: bool
+) -> None:
+    """`learned+oracle` and `learned+oracle+compiled`: the learned decoder of that loop without its
+    gate, its router the oracle priced on that loop's costs (the compiled row's margin over
+    `learned+compiled` is what better estimates could win there). Not run here: compiling takes
+    minutes."""
+    llm, pool = models
+    loaded = Models.load(str(llm), str(pool))
+    decoder = oracle_decoder(loaded, [0, 1], compiled)
+    router = decoder.speculator.router
+    assert isinstance(router, OracleRouter) and decoder.calls.enabled is compiled
+    assert decoder.speculator.gate(1) is None and router._compiled_loop is compiled
+    method = oracle_method(loaded, [0, 1], MAX_NEW, Decoding(), compiled)
+    assert method.name == ("learned+oracle+compiled" if compiled else "learned+oracle")
+    assert method.warm_every_item
 
 
 def test_the_llm_is_at_no_distance_from_itself(models: tuple[Path, Path]) -> None:

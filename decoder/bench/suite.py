@@ -8,23 +8,23 @@ file, the single-file bench. Writes suite.json (bench.json), report.md and the p
     specboost bench --suite default --llm MY_LLM --pool MY_POOL --sampled-pool MY_SAMPLING_POOL
     specboost bench --llm LLM --ssm SSM ... --prompts FILE --out DIR      # the single-file bench
 
-Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager
-and compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single
-SSM; the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`); the
-learned scheduler (eager and compiled) and, greedy, its rule on the true match lengths (the
-hindsight oracle, `learned+oracle`); greedy only, the generalist's chain at the `chain[i]` rows'
-length, eager and compiled (`generalist`, `generalist+compiled`: one SSM trained greedily on the
-pool's data for the whole pool's steps, the baseline a pool must beat; the fixture's, or
-`generalist`; no sampled rows, as it is trained on greedy outputs only); sampled only, k-sequential
-verification (`pool_chain+kseq`) and three sampled chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`:
-the drafted tokens of a 3-SSM `pool_chain`). Batch > 1: plain batched `generate` against the pool's
-chains as one ragged batch (BASS, eager and compiled), the pipelined engine (Minions: two groups of
-half the batch) and the learned scheduler, compiled, on the ragged batch and in the serving engine
-with one group of the whole batch (`learned+engine`: compiled passes in two groups whose rows join
-and leave at different steps meet a new shape at almost every round, docs/limitations.md). Every
-table's "vs best fixed" is against its fastest row that is not the learned scheduler's, measured
-in the same run. A method that cannot run here is listed under "Not
-run" with the reason.
+Batch size 1: plain `llm.generate`, and transformers' best plain decoding (a static cache, eager and
+compiled); HF assisted generation, our chain (eager and compiled) and Stairs with each single SSM;
+the pool's merged trees (SpecInfer); every further `strategy=` (`strategies.DRAFTING`); the learned
+scheduler (eager and compiled) and, greedy, its rule on the true match lengths (the hindsight
+oracle, eager and compiled: `learned+oracle`, `learned+oracle+compiled`); greedy only, the
+generalist's chain at the `chain[i]` rows' length, eager and compiled (`generalist`,
+`generalist+compiled`: one SSM trained greedily on the pool's data for the whole pool's steps, the
+baseline a pool must beat; the fixture's, or `generalist`; no sampled rows, as it is trained on
+greedy outputs only); sampled only, k-sequential verification (`pool_chain+kseq`) and three sampled
+chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the drafted tokens of a 3-SSM `pool_chain`).
+Batch > 1: plain batched `generate` against the pool's chains as one ragged batch (BASS, eager and
+compiled), the pipelined engine (Minions: two groups of half the batch) and the learned scheduler,
+compiled, on the ragged batch and in the serving engine with one group of the whole batch
+(`learned+engine`: compiled passes in two groups whose rows join and leave at different steps meet a
+new shape at almost every round, docs/limitations.md). Every table's "vs best fixed" is against its
+fastest row that is not the learned scheduler's, measured in the same run. A method that cannot run
+here is listed under "Not run" with the reason.
 
 Sampled rows run on the pool for sampling when there is one (the fixture's, or `sampled_pool`),
 greedy rows on the pool; per sampled cell group the report gives each SSM's measured total
@@ -81,6 +81,7 @@ from specboost.decoder.bench.workloads import (
     held_out_or_file,
     load_spec_bench,
 )
+from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.engine import EngineConfig
 from specboost.decoder.generation_options import resolve
 from specboost.decoder.loop import BatchConfig
@@ -116,6 +117,7 @@ METHOD_FAMILIES = (
     "learned+compiled",
     "learned+engine",
     "learned+oracle",
+    "learned+oracle+compiled",
     *(GENERALIST, f"{GENERALIST}+compiled"),
 )
 ADAPTIVE_LENGTH = "minions"  # majority+adaptive: length_controller=ADAPTIVE_LENGTH (ALGORITHMS.md 7)
@@ -474,9 +476,9 @@ def candidates(
         out[name] = ours(name, f"{samples} drafted by SSM 0, MSS", [0], shape=samples)
         out[f"{name}+kseq"] = ours(f"{name}+kseq", f'{name}, rule="k_sequential"', [0], shape=samples, **kseq)
     if not decoding.do_sample:
-        out["learned+oracle"] = functools.partial(
-            _with_predictor, models, functools.partial(oracle_method, models, everyone, max_new, decoding)
-        )
+        for name, compiled in (("learned+oracle", False), ("learned+oracle+compiled", True)):
+            oracle = functools.partial(oracle_method, models, everyone, max_new, decoding, compiled)
+            out[name] = functools.partial(_with_predictor, models, oracle)
     for strategy in (s for s in OWN_ROWS if s != "learned"):
         shape = {"majority": chain, "pruned": beam}.get(strategy)  # the others draft their own trees
         kwargs = {"strategy": strategy} | ({"shape": shape} if shape else {})
@@ -505,17 +507,32 @@ def learned_rows(models: Models, ours: Any, size: int) -> dict[str, Any]:
     return {name: functools.partial(_with_predictor, models, make) for name, make in rows.items()}
 
 
-def oracle_method(models: Models, indices: list[int], max_new: int, decoding: Decoding) -> Method:
+def oracle_method(
+    models: Models, indices: list[int], max_new: int, decoding: Decoding, compiled: bool = False
+) -> Method:
     """The learned scheduler's rule fed the true match lengths (`OracleRouter`, ALGORITHMS.md 5.3),
-    eager like the `learned` row: the bound a perfect predictor would reach, the rule deciding every
-    step (no speculation gate, 5.4). Its greedy outputs are generated when a prompt is first met, in
-    the untimed warm-up run (`--warmup` >= 1)."""
-    decoder = models.decoder(indices, strategy="learned", strategy_options=StrategyOptions(gate=False))
+    eager like the `learned` row or `compiled` like `learned+compiled`: the bound a perfect
+    predictor would reach on that loop, the rule deciding every step (no speculation gate, 5.4).
+    Compiled, its margin over `learned+compiled` is what better estimates could still win there;
+    the eager row's also counts the eager loop's cost. Its greedy outputs are generated when a
+    prompt is first met, in the untimed warm-up run (`--warmup` >= 1)."""
+    name = "learned+oracle+compiled" if compiled else "learned+oracle"
+    description = "the learned scheduler's rule on the true match lengths (hindsight oracle)"
+    description += ", compiled" if compiled else ""
+    decoder = oracle_decoder(models, indices, compiled)
+    method = decoder_method(name, description, models, decoder, indices, max_new, decoding)
+    return replace(method, warm_every_item=True)
+
+
+def oracle_decoder(models: Models, indices: list[int], compiled: bool) -> SpeculativeDecoder:
+    """A learned decoder without its gate whose router is the oracle, on the costs of its loop."""
+    decoder = models.decoder(
+        indices, strategy="learned", compile=compiled, strategy_options=StrategyOptions(gate=False)
+    )
     scheduler = decoder.speculator
     scheduler.router = OracleRouter(scheduler.router, decoder.llm, scheduler.models)
-    description = "the learned scheduler's rule on the true match lengths (hindsight oracle)"
-    method = decoder_method("learned+oracle", description, models, decoder, indices, max_new, decoding)
-    return replace(method, warm_every_item=True)
+    scheduler.router.costs_on_compiled_loop(compiled)
+    return decoder
 
 
 def router_depths(models: Models) -> tuple[int, ...]:
