@@ -42,7 +42,7 @@ import torch
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import COMPILED_MAX_CHAIN, setup_count
 from specboost.speculator.predictor import MatchLengthPredictor, PassHead, apply_head
-from specboost.speculator.scheduler import CostCorrection, OnlineCalibration
+from specboost.speculator.scheduler import CostCorrection, Draft, OnlineCalibration
 
 NO_SSM = -1
 MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
@@ -441,17 +441,12 @@ class ChainRouter:
                 self.plain_costs.update((verify_seconds, 0.0), plan.profiled)
             return
         self._age()
-        if self.calibration is not None and len(drafting) == 1:  # batch 1: no numpy call (`_choose_one`)
-            (b,) = drafting
-            cap = plan.max_depths[b]
-            self.calibration.observe_one(plan.ssm[b], plan.predicted[b], plan.depth_index, accepted[b], cap)
-        elif self.calibration is not None:
+        if self.calibration is not None:
             self.calibration.observe(
-                np.asarray(plan.ssm)[drafting],
-                np.asarray(plan.predicted)[drafting],
-                np.full(len(drafting), plan.depth_index),
-                np.asarray(accepted, dtype=np.float64)[drafting],
-                np.asarray(plan.max_depths)[drafting],
+                [
+                    Draft(plan.ssm[b], plan.predicted[b], plan.depth_index, accepted[b], plan.max_depths[b])
+                    for b in drafting
+                ]
             )
         self.stretches.observe({plan.ssm[b] for b in drafting})
         if self.costs is not None and measured:

@@ -26,8 +26,6 @@ the better estimate.
 
 from __future__ import annotations
 
-import numpy as np
-
 SLOPE_MOMENTUM = 0.98  # per renewing draft: the slope's evidence spans about the last 50 drafts
 SLOPE_PRIOR = 2.0  # tokens squared of pseudo-spread at the ratio scale's slope
 SLOPE_MAX = 2.0  # as the ratio scale's upper clip (`scheduler.SCALE_RANGE`)
@@ -36,36 +34,21 @@ _SUMS = 5  # per SSM and depth: weight, sum f, sum y, sum f^2, sum f y
 
 class PredictionSpread:
     """Decayed regression sums of accepted on predicted tokens, per SSM and depth (module doc).
-    Plain Python lists: at batch 1 every drafting step adds one draft's evidence right after the
-    LLM's pass, where numpy's per-call cost dominates arrays this small."""
+    Plain Python lists: every drafting step adds its drafts' evidence right after the LLM's pass,
+    where numpy's per-call cost dominates arrays this small."""
 
     def __init__(self, num_ssms: int, depths: int) -> None:
         self.sums = [[[0.0] * _SUMS for _ in range(depths)] for _ in range(num_ssms)]  # [S][D][5]
 
-    def observe_one(self, ssm: int, predicted: list[float], accepted: list[float]) -> None:
-        """One draft of SSM `ssm`: per depth it renews, its estimate and accepted tokens (lists as
-        long as the depths it reached, shallowest first)."""
-        for sums, f, y in zip(self.sums[ssm], predicted, accepted, strict=False):
+    def observe(self, evidence: dict[tuple[int, int], list[tuple[float, float]]]) -> None:
+        """One step's drafts: per (SSM, depth) they renew, each draft's (estimate, accepted tokens).
+        Every renewed entry decays once per step, however many drafts (rows of a batch) renew it."""
+        for (ssm, depth), pairs in evidence.items():
+            sums = self.sums[ssm][depth]
             w, sf, sy, sff, sfy = (x * SLOPE_MOMENTUM for x in sums)
-            sums[:] = (w + 1.0, sf + f, sy + y, sff + f * f, sfy + f * y)
-
-    def observe(
-        self, ssm: np.ndarray, predicted: np.ndarray, accepted: np.ndarray, renewed: np.ndarray
-    ) -> None:
-        """Drafts of a batch, several maybe of one SSM: `predicted`, `accepted`, `renewed` [n, D]
-        (`renewed`: the depths each draft reached). Every renewed entry decays once per step."""
-        sums = np.asarray(self.sums)  # [S, D, 5]
-        new = (
-            np.stack(
-                [np.ones_like(predicted), predicted, accepted, predicted * predicted, predicted * accepted],
-                -1,
-            )
-            * renewed[..., None]
-        )
-        added, touched = np.zeros_like(sums), np.zeros(sums.shape[:2], dtype=bool)
-        np.add.at(added, ssm, new)
-        np.logical_or.at(touched, ssm, renewed)
-        self.sums = (np.where(touched[..., None], SLOPE_MOMENTUM, 1.0) * sums + added).tolist()
+            for f, y in pairs:
+                w, sf, sy, sff, sfy = w + 1.0, sf + f, sy + y, sff + f * f, sfy + f * y
+            sums[:] = (w, sf, sy, sff, sfy)
 
     def lines(self, scales: list[list[float]]) -> tuple[list[list[float]], list[list[float]]]:
         """(slopes b [S][D], offsets c [S][D]): the estimate of a raw f is b f + c, given the ratio

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +51,16 @@ IDLE_DECAY = 0.95  # per step, of evidence not renewed (an SSM that sat out): ha
 DEPTH_PRIOR = 2.0  # predicted tokens of pseudo-evidence at its SSM's scale behind each depth's scale
 # Measured over profiled seconds beyond it says the profile is of another machine: profile again.
 COST_RANGE = (0.25, 4.0)
+
+
+class Draft(NamedTuple):
+    """One draft's evidence for `OnlineCalibration.observe`."""
+
+    ssm: int
+    predicted: Sequence[float]  # [D] f of its width at every grid depth
+    d_index: int  # the grid depth it drafted (an index into the depths)
+    matched: float  # its accepted nodes
+    cap: float  # the tokens its row still wanted
 
 
 class _Choice(NamedTuple):
@@ -80,8 +91,8 @@ class OnlineCalibration:
     The sums are [S][D + 1] Python floats: at batch 1 every drafting step reads the scales and adds
     one draft's evidence, right after the LLM's pass, where each numpy call on arrays this small
     costs 10-20 us (numpy's code and data out of the CPU's caches; ALGORITHMS.md 5.3, "Cost of
-    deciding"). A batch's drafts are gathered in numpy; the learned scheduler gets one copy of the
-    [S, grid] scales on the predictor's device per step.
+    deciding"), and a batch's drafts are added the same way; the learned scheduler gets one copy of
+    the [S, grid] scales on the predictor's device per step.
     """
 
     def __init__(
@@ -161,54 +172,43 @@ class OnlineCalibration:
         # The chosen (b_i, d_i) as indices into widths and depths.
         b_index, d_index = np.divmod(option[launched] - 1, len(self.depths))
         grid = choice.match.detach().float().cpu().numpy().reshape(len(option), self.widths, -1)
-        matched = np.asarray(matched, dtype=np.float64)[launched]
-        self.observe(launched, grid[launched, b_index], d_index, matched, choice.max_depth)
+        cap = float(choice.max_depth)
+        self.observe(
+            [
+                Draft(i, grid[i, b].tolist(), d, float(matched[i]), cap)
+                for i, b, d in zip(launched.tolist(), b_index.tolist(), d_index.tolist(), strict=True)
+            ]
+        )
 
-    def observe(
-        self,
-        ssm: np.ndarray,
-        predicted: np.ndarray,
-        d_index: np.ndarray,
-        matched: np.ndarray,
-        max_depth: int | np.ndarray,
-        fast: bool = True,
-    ) -> None:
-        """Add one step's evidence of n drafts (several may be of one SSM: the rows of a batch,
-        section 5.3): SSM `ssm[k]` drafted `depths[d_index[k]]` deep at most `max_depth` (one
-        number, or one per draft); `predicted[k]` [D] is f of its width at every depth, and
-        `matched[k]` its accepted nodes. Every SSM and depth renewed by some draft decays once.
-        One draft (every step at batch 1) takes `observe_one`, unless not `fast`."""
-        if fast and len(ssm) == 1:
-            cap = float(np.asarray(max_depth).reshape(-1)[0])
-            self.observe_one(int(ssm[0]), predicted[0].tolist(), int(d_index[0]), float(matched[0]), cap)
-            return
-        n, depths = len(ssm), len(self.depths)
-        cap = np.broadcast_to(np.asarray(max_depth, dtype=np.float64), (n,))
-        new_predicted = np.empty((n, depths + 1))
-        np.minimum(predicted, cap[:, None], out=new_predicted[:, :-1])  # f_i(b_i, d)
-        new_predicted[:, -1] = new_predicted[np.arange(n), d_index]  # f_i(b_i, d_i)
-        new_accepted = np.empty((n, depths + 1))
-        new_accepted[:, -1] = matched  # m_i
-        np.minimum(matched[:, None], self.depths, out=new_accepted[:, :-1])  # min(m_i, d)
-        reach = np.minimum(self.depths[d_index], cap)  # [n]
-        renewed = np.ones((n, depths + 1), dtype=bool)
-        np.less_equal(self.depths, reach[:, None], out=renewed[:, :-1])
-        accepted, predicted_sums = np.zeros((2, len(self.accepted), depths + 1))
-        renewed_ssm = np.zeros(accepted.shape, dtype=bool)
-        if len(set(ssm.tolist())) == n:  # one draft per SSM (always at batch 1): plain indexing
-            accepted[ssm] = new_accepted * renewed
-            predicted_sums[ssm] = new_predicted * renewed
-            renewed_ssm[ssm] = renewed
-        else:  # several rows of a batch drafted by one SSM: their evidence adds up
-            np.add.at(accepted, ssm, new_accepted * renewed)
-            np.add.at(predicted_sums, ssm, new_predicted * renewed)
-            np.logical_or.at(renewed_ssm, ssm, renewed)
-        decay = np.where(renewed_ssm, self.momentum, IDLE_DECAY)
-        self.accepted = (np.asarray(self.accepted) * decay + accepted).tolist()
-        self.predicted = (np.asarray(self.predicted) * decay + predicted_sums).tolist()
+    def observe(self, drafts: Sequence[Draft]) -> None:
+        """Add one step's evidence of its drafts (several may be of one SSM: the rows of a batch,
+        section 5.3). Every SSM and depth some draft renews decays once, by `momentum`, and the
+        rest by IDLE_DECAY; then the renewing drafts' evidence is added. Plain Python: numpy's
+        per-call cost dominates arrays this small, right after the LLM's pass (a batch of 8 rows
+        had taken 0.27 ms a step in numpy on the tiny fixture, as long as deciding the step)."""
+        self._decay(IDLE_DECAY)
+        renew, depths = self.momentum / IDLE_DECAY, self._depth_list
+        added: dict[int, tuple[list[float], list[float], list[bool]]] = {}  # per SSM: A, P, renewed
+        evidence: dict[tuple[int, int], list[tuple[float, float]]] = {}  # per (SSM, depth): (f, y)
+        for ssm, predicted, d_index, matched, cap in drafts:
+            fresh = ([0.0] * (len(depths) + 1), [0.0] * (len(depths) + 1), [False] * (len(depths) + 1))
+            accepted, estimated, renewed = added.setdefault(ssm, fresh)
+            reach = min(depths[d_index], cap)
+            for d, depth in enumerate(depths):
+                if depth <= reach:
+                    f, y = min(predicted[d], cap), min(matched, depth)
+                    accepted[d], estimated[d], renewed[d] = accepted[d] + y, estimated[d] + f, True
+                    evidence.setdefault((ssm, d), []).append((f, y))
+            accepted[-1] += matched
+            estimated[-1] += min(predicted[d_index], cap)
+            renewed[-1] = True
+        for ssm, (accepted, estimated, renewed) in added.items():
+            sums_a, sums_p = self.accepted[ssm], self.predicted[ssm]  # updated in place
+            for c in (c for c, on in enumerate(renewed) if on):
+                sums_a[c] = sums_a[c] * renew + accepted[c]
+                sums_p[c] = sums_p[c] * renew + estimated[c]
         if self.spread is not None:
-            self.spread.observe(ssm, new_predicted[:, :-1], new_accepted[:, :-1], renewed[:, :-1])
-        self._grid = self._depth = self._lines = None
+            self.spread.observe(evidence)
 
     def idle(self, steps: int = 1) -> None:
         """`steps` steps that drafted nothing: all evidence ages by IDLE_DECAY per step, so that
@@ -222,24 +222,6 @@ class OnlineCalibration:
         self.accepted = [[x * factor for x in row] for row in self.accepted]
         self.predicted = [[x * factor for x in row] for row in self.predicted]
         self._grid = self._depth = self._lines = None
-
-    def observe_one(self, ssm: int, predicted: list[float], d_index: int, matched: float, cap: float) -> None:
-        """`observe` of one draft (every step at batch 1), in plain Python: numpy's per-call cost
-        dominates arrays this small. Same arithmetic."""
-        self._decay(IDLE_DECAY)
-        accepted, predicted_sums = self.accepted[ssm], self.predicted[ssm]  # updated in place
-        reach, renew = min(self._depth_list[d_index], cap), self.momentum / IDLE_DECAY
-        estimates, matches = [], []
-        for d, depth in enumerate(self._depth_list):
-            if depth <= reach:
-                estimates.append(min(predicted[d], cap))
-                matches.append(min(matched, depth))
-                accepted[d] = accepted[d] * renew + matches[-1]
-                predicted_sums[d] = predicted_sums[d] * renew + estimates[-1]
-        if self.spread is not None:
-            self.spread.observe_one(ssm, estimates, matches)
-        accepted[-1] = accepted[-1] * renew + matched
-        predicted_sums[-1] = predicted_sums[-1] * renew + min(predicted[d_index], cap)
 
 
 def check_pool_size(predictor: MatchLengthPredictor, cost_model: CostModel, num_ssms: int) -> None:

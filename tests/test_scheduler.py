@@ -22,9 +22,10 @@ from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import scheduler as scheduler_module
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
 from specboost.speculator.drafter import PoolDrafter
+from specboost.speculator.prediction_spread import SLOPE_MOMENTUM
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig, apply_head
 from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
-from specboost.speculator.scheduler import IDLE_DECAY, LearnedScheduler, OnlineCalibration
+from specboost.speculator.scheduler import IDLE_DECAY, Draft, LearnedScheduler, OnlineCalibration
 from specboost.speculator.shapes import BeamShape
 from specboost.speculator.speculation import DraftRequest, StepFeedback
 from specboost.speculator.tree import DraftKind, TokenTree
@@ -622,30 +623,65 @@ def test_cost_correction_in_the_per_ssm_path(clock: list[float]) -> None:
     torch.testing.assert_close(scheduler.seconds, (7 / 4 * verify + spec).expand(2, -1).float())
 
 
-@settings(max_examples=50, deadline=None)
-@given(
-    ssm=st.integers(0, 2),
-    depth=st.integers(0, 1),
-    matched=st.integers(0, 4),
-    cap=st.integers(1, 6),
-    predicted=st.lists(st.floats(0, 4), min_size=2, max_size=2),
-    history=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 4)), max_size=4),
+def vectorized_update(calibration: OnlineCalibration, drafts: list[Draft]) -> None:
+    """The rule of section 5.1 for one step's drafts, in numpy (the reference the plain-Python
+    `OnlineCalibration.observe` must equal): every (SSM, depth) some draft renews decays once by
+    the momentum, the rest by IDLE_DECAY; the renewing drafts' evidence adds up; the regression
+    sums of the renewed entries decay once by SLOPE_MOMENTUM."""
+    depths = calibration.depths
+    ssm = np.array([d.ssm for d in drafts])
+    cap = np.array([d.cap for d in drafts])
+    predicted = np.minimum(np.array([d.predicted for d in drafts]), cap[:, None])  # [n, D]
+    chosen = predicted[np.arange(len(drafts)), [d.d_index for d in drafts]]
+    matched = np.array([d.matched for d in drafts])
+    accepted = np.minimum(matched[:, None], depths)  # [n, D]
+    renewed = depths <= np.minimum(depths[[d.d_index for d in drafts]], cap)[:, None]  # [n, D]
+    a_new, p_new = np.zeros((2, *np.shape(calibration.accepted)))
+    touched = np.zeros(a_new.shape, dtype=bool)
+    np.add.at(a_new, ssm, np.concatenate([accepted * renewed, matched[:, None]], 1))
+    np.add.at(p_new, ssm, np.concatenate([predicted * renewed, chosen[:, None]], 1))
+    np.logical_or.at(touched, ssm, np.concatenate([renewed, np.ones((len(drafts), 1), bool)], 1))
+    decay = np.where(touched, calibration.momentum, IDLE_DECAY)
+    calibration.accepted = (np.array(calibration.accepted) * decay + a_new).tolist()
+    calibration.predicted = (np.array(calibration.predicted) * decay + p_new).tolist()
+    sums = np.array(calibration.spread.sums)  # [S, D, 5]
+    new = np.stack([np.ones_like(predicted), predicted, accepted, predicted**2, predicted * accepted], -1)
+    added = np.zeros_like(sums)
+    np.add.at(added, ssm, new * renewed[..., None])
+    spread_touched = np.zeros(sums.shape[:2], dtype=bool)
+    np.logical_or.at(spread_touched, ssm, renewed)
+    spread_decay = np.where(spread_touched[..., None], SLOPE_MOMENTUM, 1.0)
+    calibration.spread.sums = (spread_decay * sums + added).tolist()
+    calibration._grid = calibration._depth = calibration._lines = None
+
+
+drafts_of_a_step = st.lists(
+    st.builds(
+        Draft,
+        ssm=st.integers(0, 2),
+        predicted=st.lists(st.floats(0, 4), min_size=2, max_size=2),
+        d_index=st.integers(0, 1),
+        matched=st.integers(0, 4).map(float),
+        cap=st.integers(1, 6).map(float),
+    ),
+    min_size=1,
+    max_size=8,
 )
-def test_one_draft_updates_as_the_vectorized_rule(ssm, depth, matched, cap, predicted, history) -> None:
-    """The plain-Python update of one draft (batch 1, every step) equals the vectorized one."""
-    one, many = (OnlineCalibration(3, 1, DEPTHS, 0.9, torch.device("cpu"), slopes=True) for _ in range(2))
-    for i, d, m in history:  # some evidence first, the same in both
-        for calibration in (one, many):
-            calibration.observe(
-                np.array([i]), np.array([[1.0, 2.0]]), np.array([d]), np.array([m]), 4, fast=False
-            )
-    draft = (np.array([ssm]), np.array([predicted]), np.array([depth]), np.array([float(matched)]), cap)
-    one.observe(*draft)
-    many.observe(*draft, fast=False)
-    np.testing.assert_allclose(one.accepted, many.accepted)
-    np.testing.assert_allclose(one.predicted, many.predicted)
-    np.testing.assert_allclose(one.spread.sums, many.spread.sums)
-    np.testing.assert_allclose(one.lines, many.lines)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(drafts_of_a_step, min_size=1, max_size=4))
+def test_a_steps_drafts_update_as_the_vectorized_rule(steps) -> None:
+    """The plain-Python update of a step's drafts (one at batch 1; a batch's rows, several maybe of
+    one SSM) equals the rule written in numpy, step after step."""
+    python, numpy = (OnlineCalibration(3, 1, DEPTHS, 0.9, torch.device("cpu"), slopes=True) for _ in range(2))
+    for drafts in steps:
+        python.observe(drafts)
+        vectorized_update(numpy, drafts)
+        np.testing.assert_allclose(python.accepted, numpy.accepted)
+        np.testing.assert_allclose(python.predicted, numpy.predicted)
+        np.testing.assert_allclose(python.spread.sums, numpy.spread.sums)
+        np.testing.assert_allclose(python.lines, numpy.lines)
 
 
 def test_a_profile_from_a_newer_specboost_loads_without_its_new_fields(tmp_path: Path, caplog) -> None:
