@@ -185,14 +185,16 @@ class OnlineCalibration:
         section 5.3). Every SSM and depth some draft renews decays once, by `momentum`, and the
         rest by IDLE_DECAY; then the renewing drafts' evidence is added. Plain Python: numpy's
         per-call cost dominates arrays this small, right after the LLM's pass (a batch of 8 rows
-        had taken 0.27 ms a step in numpy on the tiny fixture, as long as deciding the step)."""
+        had taken 0.27 ms a step in numpy on the tiny fixture, about as long as deciding it)."""
         self._decay(IDLE_DECAY)
         renew, depths = self.momentum / IDLE_DECAY, self._depth_list
+        columns = len(depths) + 1  # the depths, then the SSM's own match
         added: dict[int, tuple[list[float], list[float], list[bool]]] = {}  # per SSM: A, P, renewed
         evidence: dict[tuple[int, int], list[tuple[float, float]]] = {}  # per (SSM, depth): (f, y)
         for ssm, predicted, d_index, matched, cap in drafts:
-            fresh = ([0.0] * (len(depths) + 1), [0.0] * (len(depths) + 1), [False] * (len(depths) + 1))
-            accepted, estimated, renewed = added.setdefault(ssm, fresh)
+            if ssm not in added:
+                added[ssm] = ([0.0] * columns, [0.0] * columns, [False] * columns)
+            accepted, estimated, renewed = added[ssm]
             reach = min(depths[d_index], cap)
             for d, depth in enumerate(depths):
                 if depth <= reach:
