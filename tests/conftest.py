@@ -88,7 +88,8 @@ ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "opt": tiny_opt}
 
 def noisy_copy(model: PreTrainedModel, scale: float, seed: int) -> PreTrainedModel:
     """`model` with Gaussian noise (relative to each tensor's spread) added to every weight: an SSM
-    that agrees with the LLM often, but not always."""
+    that agrees with the LLM often, but not always. The noise is drawn on the CPU (the same on
+    every device); the copy goes to `model`'s device."""
     copy = type(model)(model.config).to(model.dtype)
     copy.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
@@ -96,7 +97,7 @@ def noisy_copy(model: PreTrainedModel, scale: float, seed: int) -> PreTrainedMod
         for p in copy.parameters():
             spread = p.std() if p.numel() > 1 else p.abs()
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale * spread)
-    return copy.eval()
+    return copy.to(model.device).eval()
 
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,"  # VOCAB characters
