@@ -24,6 +24,7 @@ import torch
 
 from specboost import __version__
 from specboost.decoder.bench.configurations import FILE_BENCH, FILE_BENCH_OPTIONS, SUITES, resolve_suite
+from specboost.decoder.bench.cost_standin import StandinShape, write_standin
 from specboost.decoder.bench.protocol import Protocol
 from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
@@ -327,6 +328,29 @@ def build_parser() -> argparse.ArgumentParser:
         "it, sampled chains are priced as greedy ones and corrected online",
     )
 
+    standin = commands.add_parser(
+        "standin",
+        help="a cost stand-in for a large LLM: the LLM widened with zero weights to a large model's "
+        "shapes, computing the same function, with a copy of its pool (to benchmark a GPU at real "
+        "model sizes with the pool's real drafts)",
+    )
+    standin.add_argument("--llm", required=True, type=Path, metavar="PATH", help="folder of the LLM")
+    standin.add_argument(
+        "--pool", required=True, type=Path, metavar="FOLDER", help="the LLM's exported pool (make export)"
+    )
+    for flag, meaning in (
+        ("--hidden-size", "hidden size, a multiple of the LLM's (its heads scale with it)"),
+        ("--intermediate-size", "MLP width, at least the LLM's"),
+        ("--layers", "number of layers, at least the LLM's"),
+    ):
+        standin.add_argument(flag, required=True, type=int, metavar="N", help=f"the stand-in's {meaning}")
+    standin.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="dtype of the stand-in's weights (default: the LLM's)"
+    )
+    standin.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="new folder: DIR/llm and DIR/pool"
+    )
+
     bench = commands.add_parser(
         "bench",
         help="measure: our modes against plain and HF assisted generation on a prompt file (greedy), or a "
@@ -612,6 +636,21 @@ def profile_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def standin_command(args: argparse.Namespace) -> int:
+    shape = StandinShape(args.hidden_size, args.intermediate_size, args.layers)
+    dtype = None if args.dtype is None else DTYPES[args.dtype]
+    llm, pool = write_standin(args.llm, args.pool, shape, args.out, dtype)
+    config = json.loads((llm / "config.json").read_text())
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers")
+    sizes = ", ".join(f"{key} {config[key]}" for key in keys)
+    print(f"wrote {llm} ({sizes}) and {pool}")
+    print(
+        "its pool has no hardware profile yet; measure one where it will run, e.g. "
+        f"`specboost profile --llm {llm} --ssm {pool}/ssm-* --device cuda --out {pool}/hardware_profile.json`"
+    )
+    return 0
+
+
 # bench ------------------------------------------------------------------------------------------
 RUN_OPTIONS = ("readme", "dry_run")  # how a suite runs, not what it measures
 GENERAL = ("command", "suite", "out", "artifacts")
@@ -692,13 +731,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and (problem := bench_usage_error(args)) is not None:
         parser.error(problem)
     try:
-        ssms = [] if getattr(args, "suite", None) == "strategies" else args.ssms or []  # there: an index
+        ssms = [] if getattr(args, "suite", None) == "strategies" else getattr(args, "ssms", None) or []
         models = [] if args.llm is None else [args.llm, *ssms]
         for path in models:  # fail fast, before anything loads
             check_model_path(path)
-        commands = {"generate": generate, "serve": serve_command, "profile": profile_command, "bench": bench}
+        commands = {
+            "generate": generate,
+            "serve": serve_command,
+            "profile": profile_command,
+            "standin": standin_command,
+            "bench": bench,
+        }
         return commands[args.command](args)
-    except (FileNotFoundError, ValueError, NotImplementedError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as error:
         print(f"specboost {args.command}: error: {error}", file=sys.stderr)
         return 2
 
