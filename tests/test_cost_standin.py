@@ -130,6 +130,7 @@ def test_the_cli_writes_a_stand_in_and_its_pool_that_the_learned_scheduler_decod
     hidden = AutoModelForCausalLM.from_pretrained(llm_dir).config.hidden_size
     argv = ["standin", "--llm", str(llm_dir), "--pool", str(tmp_path / "pool"), "--out", str(tmp_path / "s")]
     sizes = ["--hidden-size", str(2 * hidden), "--intermediate-size", "300", "--layers", "5"]
+    (tmp_path / ".s.partial/llm").mkdir(parents=True)  # what a killed run left
     assert main([*argv, *sizes]) == 0
     printed = capsys.readouterr().out
     assert f"intermediate_size 300, num_hidden_layers 5) and {tmp_path / 's' / 'pool'}" in printed
@@ -152,5 +153,12 @@ def test_the_cli_writes_a_stand_in_and_its_pool_that_the_learned_scheduler_decod
         in json.loads((tmp_path / "s/pool" / PROFILE_FILE).read_text())["profiles"]
     )
 
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "boost",
+        "distill",
+        "pool",
+        "s",
+        "tiny",
+    ]  # no staging left
     assert main([*argv, *sizes]) == 2  # the folder exists now
     assert "exists: remove it or choose another --out" in capsys.readouterr().err
