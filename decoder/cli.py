@@ -640,10 +640,8 @@ def standin_command(args: argparse.Namespace) -> int:
     shape = StandinShape(args.hidden_size, args.intermediate_size, args.layers)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     llm, pool = write_standin(args.llm, args.pool, shape, args.out, dtype)
-    config = json.loads((llm / "config.json").read_text())
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers")
-    sizes = ", ".join(f"{key} {config[key]}" for key in keys)
-    print(f"wrote {llm} ({sizes}) and {pool}")
+    sizes = f"hidden_size {shape.hidden_size}, intermediate_size {shape.intermediate_size}"
+    print(f"wrote {llm} ({sizes}, num_hidden_layers {shape.num_hidden_layers}) and {pool}")
     print(
         "its pool has no hardware profile yet; measure one where it will run, e.g. "
         f"`specboost profile --llm {llm} --ssm {pool}/ssm-* --device cuda --out {pool}/hardware_profile.json`"

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from specboost.decoder.pool import MANIFEST_FILE
 from specboost.speculator.cost_model import FORMAT_VERSION
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.predictor import PREDICTOR_DIR, MatchLengthPredictor
@@ -36,7 +37,6 @@ from specboost.speculator.predictor import PREDICTOR_DIR, MatchLengthPredictor
 # Decoder-only families whose weights are the Llama layout (q/k/v/o projections, gate/up/down
 # MLP, RMSNorm before each block and at the end).
 WIDENABLE = frozenset({"llama", "mistral", "qwen2"})
-MANIFEST = "specboost_pool.json"
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,10 @@ def widen_llm(model: PreTrainedModel, shape: StandinShape) -> PreTrainedModel:
     original = model.state_dict()
     state = {}
     for name, target in wide.state_dict().items():
-        tensor = torch.zeros(target.shape, dtype=model.dtype, device=model.device)
-        source = original.get(name)
-        if source is not None:  # new layers stay all zero, their norms too: they add nothing
-            if name.endswith("norm.weight") and source.shape == (d,):
-                source = source / math.sqrt(factor)  # the norm of the wider state is sqrt(factor) x smaller
-            tensor[tuple(slice(0, n) for n in source.shape)] = source
-        state[name] = tensor
+        source = original.get(name)  # None: a new layer's, all zero (its norms too): it adds nothing
+        if source is not None and name.endswith("norm.weight") and source.shape == (d,):
+            source = source / math.sqrt(factor)  # the norm of the wider state is sqrt(factor) x smaller
+        state[name] = _embedded(source, target.shape, 0.0, model.dtype, model.device)
     wide.load_state_dict(state, strict=True, assign=True)
     _copy_buffers(model, wide)
     if config.tie_word_embeddings:
@@ -89,12 +86,10 @@ def widen_predictor(predictor: MatchLengthPredictor, hidden_size: int) -> MatchL
     """The match-length predictor for the stand-in's hidden states: the new channels (always zero)
     are standardised to zero and read by zero weights, so its estimates are the original's."""
     wide = MatchLengthPredictor(replace(predictor.config, input_size=hidden_size))
-    state = {}
+    original, state = predictor.state_dict(), {}
     for name, target in wide.state_dict().items():
-        source = predictor.state_dict()[name]
-        tensor = torch.ones_like(target) if name == "input_std" else torch.zeros_like(target)
-        tensor[tuple(slice(0, n) for n in source.shape)] = source
-        state[name] = tensor
+        fill = 1.0 if name == "input_std" else 0.0  # the new channels: mean 0, std 1
+        state[name] = _embedded(original[name], target.shape, fill, target.dtype, target.device)
     wide.load_state_dict(state)
     return wide.eval()
 
@@ -106,9 +101,9 @@ def write_standin(
     into OUT/pool (its predictor widened; its hardware profile emptied, as it timed another LLM:
     `specboost profile` measures the stand-in's). Returns the two folders."""
     pool = Path(pool)
-    if not (pool / MANIFEST).is_file():
+    if not (pool / MANIFEST_FILE).is_file():
         raise FileNotFoundError(
-            f"no exported pool in {pool} ({MANIFEST} is missing): export one with `make export`"
+            f"no exported pool in {pool} ({MANIFEST_FILE} is missing): export one with `make export`"
         )
     out = Path(out)
     if out.exists():
@@ -122,7 +117,7 @@ def write_standin(
     wide.save_pretrained(staging / "llm")
     load_tokenizer(str(llm)).save_pretrained(staging / "llm")
     shutil.copytree(pool, staging / "pool")
-    manifest = json.loads((pool / MANIFEST).read_text())
+    manifest = json.loads((pool / MANIFEST_FILE).read_text())
     if manifest.get("predictor"):
         folder = staging / "pool" / manifest["predictor"].get("path", PREDICTOR_DIR)
         predictor = MatchLengthPredictor.from_pretrained(folder)
@@ -150,6 +145,16 @@ def _check_shape(config: PretrainedConfig, shape: StandinShape) -> None:
         problems.append(f"num_hidden_layers must be at least the LLM's {config.num_hidden_layers}")
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _embedded(
+    source: torch.Tensor | None, shape: torch.Size, fill: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A tensor of `shape` filled with `fill`, with `source` (if any) in its leading corner."""
+    tensor = torch.full(shape, fill, dtype=dtype, device=device)
+    if source is not None:
+        tensor[tuple(slice(0, n) for n in source.shape)] = source
+    return tensor
 
 
 def _copy_buffers(model: PreTrainedModel, wide: PreTrainedModel) -> None:
