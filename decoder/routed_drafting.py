@@ -160,7 +160,9 @@ class RoutedDrafting:
         if self._plan is None:
             return
         start = time.perf_counter()
-        self.router.observe(self._plan, [len(nodes) for nodes in accepted], verify_seconds, self._drafting)
+        matched = [len(nodes) for nodes in accepted]
+        self.router.observe(self._plan, matched, verify_seconds, self._drafting)
+        self.pacing.observe(self._plan, matched)
         seconds = time.perf_counter() - start
         for record in self.records:
             record.decision_seconds += seconds

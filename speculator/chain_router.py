@@ -194,6 +194,15 @@ class ChainRouter:
             return (1.0, 1.0, 1.0)
         return (*self.costs.factors, self.plain_costs.factors[0])
 
+    def plain_step_seconds(self, rows: int) -> float:
+        """What a plain step of `rows` rows costs on the running loop, as far as the profile and
+        the online corrections say: its one-token pass by the lower of the verify factors (v
+        carries an eager profile over to a compiled loop, where no plain step was measured yet;
+        v_plain, once measured, the caches' warmth in a stretch of plain steps). The speculation
+        gate prices its first trial of plain decoding with it (section 5.4)."""
+        v, _, v_plain = self.cost_factors
+        return float(self._costs(rows)[0][0]) * min(v, v_plain)
+
     def _costs(self, rows: int, sampled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(verify [D + 1] seconds of a plain step, then of every depth; drafting [S, rows + 1, D] of
         greedy chains, or of `sampled` ones (host trees); catch-up [S]: what an SSM's drafting of
@@ -501,10 +510,13 @@ class DecisionPacing:
     - a drafting decision that repeats the last one (every row the same SSM and length) is held:
       the next 1, 2, then up to `max_hold` steps draft it without deciding (their passes still
       return the hidden states: `RoutedDrafting.wants_hidden`);
-    - any other decision, or a restart (new rows), brings back deciding every step.
+    - any other decision, or a restart (new rows), brings back deciding every step;
+    - a drafting step whose drafts all matched nothing ends the hold and its doubling (`observe`).
 
     Where speculation does not pay, deciding then costs about a ninth of what it would; where the
-    router keeps choosing one chain, about a fifth; a change of what pays is seen a few steps late."""
+    router keeps choosing one chain, about a fifth; a change of what pays is seen a few steps late,
+    unless the drafts miss outright: on the CPU stand-in of a large LLM (2026-11-28) a chain of 16
+    that matches nothing costs about four plain steps."""
 
     def __init__(self) -> None:
         self.skip = 0  # steps to take without deciding after the next repeated decision
@@ -529,6 +541,15 @@ class DecisionPacing:
         self.wait = self.skip
         self.held = None if plain or not self.skip else plan
         self._last = action
+
+    def observe(self, plan: ChainPlan, accepted: Sequence[int]) -> None:
+        """After a step of `plan` whose rows accepted `accepted` drafted tokens: where it drafted
+        and no row's draft matched anything, the next step decides, on estimates that have just
+        learned the miss (5.1), and a repeat is held from one step again."""
+        drafted = [a for a, length in zip(accepted, plan.lengths, strict=True) if length]
+        if drafted and not any(drafted):
+            self.skip = self.wait = 0
+            self.held = None
 
     def select(self, keep: list[int]) -> None:
         """Rows `keep` only stay (the held plan's rows)."""

@@ -185,7 +185,8 @@ class RoutedScheduler:
         and regime: `router_for`); None when not `gated`: the router decides every step. A
         bucket's first gate starts where the regime's nearest bucket's stands (the larger at a
         tie): a batch whose rows finish one by one meets every smaller bucket, and a gate started
-        afresh would run its first window in the router."""
+        afresh would run its first window in the router. Its first trial of plain decoding is
+        priced by the regime's router (`ChainRouter.plain_step_seconds`, section 5.4)."""
         if not self.gated:
             return None
         size = bucket(rows)
@@ -197,7 +198,8 @@ class RoutedScheduler:
                 default=None,
             )
             like = None if nearest is None else self.gates[nearest, regime]
-            self.gates[key] = SpeculationGate(size, like)
+            price = functools.partial(self.router_for(regime).plain_step_seconds, size)
+            self.gates[key] = SpeculationGate(size, like, price)
         return self.gates[key]
 
     def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
@@ -241,6 +243,7 @@ class RoutedScheduler:
             start = time.perf_counter()
             accepted = [len(feedback.accepted)]
             self._router.observe(self._plan, accepted, feedback.verify_seconds, self._drafting)
+            self.pacing.observe(self._plan, accepted)
             self.record.decision_seconds += time.perf_counter() - start
 
     def report(self) -> dict:

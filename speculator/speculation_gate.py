@@ -51,6 +51,7 @@ gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 WINDOW = 16  # steps per measured window at batch 1; WINDOW // rows at larger batches (at least MIN_WINDOW)
@@ -88,10 +89,18 @@ class Throughput:
 
 class SpeculationGate:
     """Whether the routed scheduler decides the next step (`on`) or the step is plain; `step`
-    records each step's tokens and seconds. Starts on, then measures off in its second window."""
+    records each step's tokens and seconds. Starts on; measures off in its second window, or where
+    `price_off` says what a plain step costs (seconds, per row a token), once the first trial of
+    off, priced from it, is paid for like a lost one."""
 
-    def __init__(self, rows: int = 1, like: SpeculationGate | None = None) -> None:
+    def __init__(
+        self,
+        rows: int = 1,
+        like: SpeculationGate | None = None,
+        price_off: Callable[[], float] | None = None,
+    ) -> None:
         self.window = max(MIN_WINDOW, WINDOW // rows)  # steps per window: a batch's steps weigh more
+        self.price_off = price_off  # read once, after the first window, if that was on's
         self.on = True if like is None else like.on  # another batch size's gate: start in its regime
         self.measured = {True: Throughput(), False: Throughput()}
         self.owed = 0.0 if like is None else like.owed  # seconds of the better regime before a trial
@@ -135,6 +144,8 @@ class SpeculationGate:
         over the trials lost in a row (at most MAX_STREAK of them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
+        if rates[other] is None and self.on and self.price_off is not None:
+            self.owed = max(self.owed, self._first_trial_owed(rates[True]))
         if rates[other] is not None:
             best = self.on if rates[self.on] >= rates[other] else other
             if best != self.on and self.trial:  # a trial lost: back, owing what it cost
@@ -155,6 +166,13 @@ class SpeculationGate:
         waited = self.since >= MIN_WAIT or rates[other] is None  # never measured: once nothing is owed
         if (self.owed == 0.0 and waited) or self.since >= MAX_WAIT:
             self.on, self.trial, self.since, self.owed = other, True, 0, 0.0
+
+    def _first_trial_owed(self, rate_on: float) -> float:
+        """Seconds of the router owed before off's first window: that window's tokens at the
+        priced plain step against the router's measured rate, over EXPLORE_SHARE, as a lost
+        trial's (nothing where off is priced as fast). Read once: later trials are measured."""
+        price, self.price_off = self.price_off(), None
+        return max(0.0, self.window * (price - 1 / rate_on)) / EXPLORE_SHARE
 
     def report(self) -> dict:
         """Steps in each regime, each regime's measured rate (tokens per row per second: at batch 1

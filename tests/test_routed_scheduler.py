@@ -260,6 +260,27 @@ def test_plain_steps_correct_their_own_cost() -> None:
     assert router.cost_factors[0] > 1.0 and router.cost_factors[2] == v_plain
 
 
+def test_a_plain_step_is_priced_by_the_lower_verify_factor() -> None:
+    """The speculation gate's price of a plain step (section 5.4): the profile's one-token pass by
+    v, which carries an eager profile over to a compiled loop (verify passes measured at a quarter
+    of the profile), or by v_plain once plain steps measured cheaper still."""
+    router = ChainRouter(
+        constant_predictor([[[0.3, 1.0]] * 2]), cost_table(1, [1e-3] * 5, SPECULATE), None, 0.9
+    )
+    assert router.plain_step_seconds(1) == pytest.approx(1e-3)
+    drafting = router.choose(np.full((1, 1, 2), 4.0), np.full((1, 1, 2), 4.0), np.array([60.0]))
+    for _ in range(30):
+        router.observe(drafting, [4], drafting.profiled[0] / 4, drafting.profiled[1])
+    v, _, v_plain = router.cost_factors
+    assert v < 0.4 and v_plain == 1.0 and router.plain_step_seconds(1) == pytest.approx(1e-3 * v)
+    plain = router.plain([60])
+    for _ in range(30):
+        router.observe(plain, [0], plain.profiled[0] / 8, 0.0)
+    v, _, v_plain = router.cost_factors
+    assert v_plain < v and router.plain_step_seconds(1) == pytest.approx(1e-3 * v_plain)
+    assert router.plain_step_seconds(8) == pytest.approx(2e-3 * v_plain)  # batch 8: twice the pass
+
+
 def test_the_router_refuses_a_profile_without_chain_costs_and_a_grid_without_width_one() -> None:
     plain_profile = CostModel("test", [1], [1e-3], [{}], [1e-3])
     with pytest.raises(ValueError, match="profile again"):
@@ -586,6 +607,31 @@ def test_pacing_holds_a_drafting_decision_while_it_repeats() -> None:
         assert pacing.held is None and pacing.due()
     pacing.decided(plan_of([NO_SSM], [0]), 4)
     assert pacing.held is None and not pacing.due() and pacing.due()  # one plain step, then decide
+
+
+def test_a_draft_that_matched_nothing_ends_the_hold() -> None:
+    """A held decision whose drafts all matched nothing is decided again at the next step, and a
+    repeat is then held from one step again; where any drafting row matched, or the step drafted
+    nothing, the hold goes on."""
+    chain, pacing = plan_of([0], [16]), DecisionPacing()
+    assert decision_steps(pacing, chain, 7) == [0, 1, 3, 6]  # held for 4 steps after step 6
+    pacing.due()
+    pacing.observe(chain, [5])
+    assert pacing.held is chain and not pacing.due()
+    pacing.observe(chain, [0])
+    assert pacing.held is None and pacing.due()
+    pacing.decided(chain, 4)
+    assert pacing.held is chain and not pacing.due() and pacing.due()  # held one step
+    batch = plan_of([0, NO_SSM, 1], [4, 0, 4])
+    pacing.decided(batch, 4)
+    pacing.decided(batch, 4)
+    for accepted, ends in (([0, 0, 2], False), ([0, 0, 0], True)):
+        pacing.wait = 1
+        pacing.observe(batch, accepted)
+        assert pacing.due() == ends
+    pacing.decided(plan_of([NO_SSM], [0]), 4)
+    pacing.observe(plan_of([NO_SSM], [0]), [0])
+    assert not pacing.due()  # a plain step's pacing is its own
 
 
 def test_a_held_plan_drafts_no_row_past_its_tokens_wanted_and_follows_the_rows() -> None:

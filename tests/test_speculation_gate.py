@@ -20,6 +20,7 @@ from test_scheduler import constant_predictor
 from specboost.decoder import SpeculativeDecoder, StrategyOptions, routed_drafting, strategies
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
+from specboost.speculator.routed_scheduler import GREEDY, SAMPLED
 from specboost.speculator.speculation_gate import (
     COLD_STEPS,
     EXPLORE_SHARE,
@@ -115,6 +116,29 @@ def test_a_trial_that_wins_takes_over() -> None:
     assert gate.on and after.count(False) == 1  # the trial of plain decoding after MIN_WAIT windows
     assert after.index(False) == 1 + MIN_WAIT
     assert gate.streak == 1  # plain decoding's trial lost, one in a row: the router's win reset the count
+
+
+def test_the_first_trial_of_plain_decoding_waits_for_its_priced_cost() -> None:
+    """Where the router prices a plain step (`price_off`), the first trial of plain decoding is paid
+    for like a lost one: that window's priced loss against the router's measured rate, over
+    EXPLORE_SHARE, in seconds of the router first (on the CPU stand-in of a large LLM the trial in
+    the second window had cost 3% of a table, ALGORITHMS.md 5.4). Where plain steps are priced as
+    fast as the router runs or faster, the trial comes in the second window, as without a price.
+    The price is read once; the scheduler's gates read their regime's router's."""
+    prices = []
+    rate = {True: 1500.0, False: 900.0}
+    gate = SpeculationGate(price_off=lambda: prices.append(1) or 1 / 900)
+    regimes = run(gate, 60, rate)
+    owed = WINDOW * (1 / 900 - 1 / 1500) / EXPLORE_SHARE
+    assert abs(regimes.index(False) - owed / (WINDOW / 1500)) <= 1 and regimes.count(False) == 1
+    assert prices == [1]
+    for price in (1 / 1500, 1 / 2000):
+        assert run(SpeculationGate(price_off=lambda p=price: p), 3, rate) == [True, False, True]
+    _, decoder = drafting_in_vain()
+    scheduler = decoder.speculator
+    for rows, regime in ((1, GREEDY), (3, SAMPLED)):
+        priced = scheduler.router_for(regime).plain_step_seconds(4 if rows == 3 else 1)
+        assert scheduler.gate(rows, regime).price_off() == priced > 0
 
 
 def simulate(ratio: float, seed: int, gate: SpeculationGate | None, fixed: bool = True) -> float:
