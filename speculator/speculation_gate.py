@@ -144,7 +144,7 @@ class SpeculationGate:
         over the trials lost in a row (at most MAX_STREAK of them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
-        if rates[other] is None and self.on and self.price_off is not None:
+        if rates[other] is None and self.on and self.price_off is not None and rates[True]:
             self.owed = max(self.owed, self._first_trial_owed(rates[True]))
         if rates[other] is not None:
             best = self.on if rates[self.on] >= rates[other] else other
