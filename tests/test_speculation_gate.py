@@ -132,6 +132,10 @@ def test_the_first_trial_of_plain_decoding_waits_for_its_priced_cost() -> None:
     owed = WINDOW * (1 / 900 - 1 / 1500) / EXPLORE_SHARE
     assert abs(regimes.index(False) - owed / (WINDOW / 1500)) <= 1 and regimes.count(False) == 1
     assert prices == [1]
+    unmeasured = SpeculationGate(price_off=lambda: prices.append(2) or 1.0)
+    for _ in range(unmeasured.window):
+        unmeasured.step(1, 0.0)  # a window of no measurable time: no rate to price against
+    assert prices == [1] and not unmeasured.on
     for price in (1 / 1500, 1 / 2000):
         assert run(SpeculationGate(price_off=lambda p=price: p), 3, rate) == [True, False, True]
     _, decoder = drafting_in_vain()
