@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_llama
 from test_boost import save_llama, save_tokenizer, write_distilled
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from specboost.speculator.beam_search import beam_match_lengths
 from specboost.speculator.drafter import PoolDrafter
@@ -134,7 +134,7 @@ def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp
     metadata = collect(sampled, tmp_path / "sampled")
     collect(PredictorDataConfig(llm_dir, tuple(ssms), distilled, depths=DEPTHS), tmp_path / "greedy")
     labels, greedy = load_labels(tmp_path / "sampled"), load_labels(tmp_path / "greedy")
-    assert metadata["rule"] == "sampled at temperature 0.7"
+    assert metadata["rule"] == "sampled at temperature 0.7, top_k 50, top_p 1.0"  # as generate samples
     match, greedy_match = torch.tensor(labels["match"]), torch.tensor(greedy["match"])
     assert torch.equal(match[:, :, 1:], greedy_match[:, :, 1:].float())
     assert torch.allclose(match[:, 0, 0], torch.tensor(DEPTHS, dtype=torch.float32), atol=1e-5)
@@ -146,9 +146,31 @@ def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp
         PredictorDataConfig(llm_dir, tuple(ssms), distilled, widths=(2,), temperature=0.8)
 
 
-def check_sampled_labels(labels, llm_dir: str, ssm_dir: str, distilled: str, temperature: float) -> None:
+def test_sampled_labels_follow_the_llms_own_sampling_settings(setup, tmp_path: Path) -> None:
+    """An LLM whose generation config samples with top_k=5 is labelled as its requests are sampled
+    (`label_sampling`): p and q cut to their 5 likeliest tokens before 1 - TV. Labelled at T alone
+    (transformers' top_k=50 is no cut of a 32-token vocabulary), these labels differ."""
+    llm_dir, ssms, distilled = setup
+    GenerationConfig(do_sample=True, top_k=5).save_pretrained(llm_dir)
+    config = PredictorDataConfig(llm_dir, tuple(ssms), distilled, depths=DEPTHS, temperature=0.7)
+    assert collect(config, tmp_path / "top5")["rule"] == "sampled at temperature 0.7, top_k 5, top_p 1.0"
+    labels = load_labels(tmp_path / "top5")
+    check_sampled_labels(labels, llm_dir, ssms[1], distilled, 0.7, top_k=5)
+    with pytest.raises(AssertionError):
+        check_sampled_labels(labels, llm_dir, ssms[1], distilled, 0.7)
+
+
+def check_sampled_labels(
+    labels, llm_dir: str, ssm_dir: str, distilled: str, temperature: float, top_k: int = 50
+) -> None:
     """Rows of `labels` (SSM 1's, width 1) equal sum_k prod_{j < k} (1 - TV(p, q)) computed one
-    prefix per forward pass."""
+    prefix per forward pass, p and q cut to their `top_k` likeliest tokens as `generate` samples
+    (an LLM of no sampling settings of its own: transformers' top_k=50)."""
+
+    def cut(logits: torch.Tensor) -> torch.Tensor:
+        kept = logits.topk(min(top_k, logits.numel())).values[-1]
+        return logits.masked_fill(logits < kept, float("-inf"))
+
     llm, ssm = AutoModelForCausalLM.from_pretrained(llm_dir), AutoModelForCausalLM.from_pretrained(ssm_dir)
     table = {r["id"]: r for r in pq.read_table(Path(distilled) / "data.parquet").to_pylist()}
     for row in list(labels)[:: max(1, len(labels) // 5)]:
@@ -156,8 +178,8 @@ def check_sampled_labels(labels, llm_dir: str, ssm_dir: str, distilled: str, tem
         accept = []
         for j in range(t, t + max(DEPTHS)):
             with torch.no_grad():
-                p = torch.softmax(llm(torch.tensor([sequence[: j + 1]])).logits[0, -1] / temperature, -1)
-                q = torch.softmax(ssm(torch.tensor([sequence[: j + 1]])).logits[0, -1] / temperature, -1)
+                p = torch.softmax(cut(llm(torch.tensor([sequence[: j + 1]])).logits[0, -1]) / temperature, -1)
+                q = torch.softmax(cut(ssm(torch.tensor([sequence[: j + 1]])).logits[0, -1]) / temperature, -1)
             accept.append(float(torch.minimum(p, q).sum()))
         expected = torch.tensor(accept).cumprod(0).cumsum(0)[[d - 1 for d in DEPTHS]]
         assert torch.allclose(torch.tensor(row["match"])[1, 0], expected, atol=1e-4)

@@ -16,7 +16,8 @@ With `--temperature T` (the sampled rule, for a pool that serves sampled request
 labels are instead what a sampled chain of d tokens gets accepted in expectation under speculative
 sampling at temperature T (ALGORITHMS.md 5): with a_j = sum_v min(p_j(v), q_j(v)) = 1 - TV, the
 chance that the token drafted at position j is accepted, p and q the LLM's and the SSM's
-temperature-T distributions teacher-forced along the sample, the label is
+distributions teacher-forced along the sample, sampled as a request at temperature T is (the
+LLM's generation config, else transformers' top_k=50: `label_sampling`), the label is
 sum_{k=1..d} prod_{j=t..t+k-1} a_j. The router drafts sampled chains at T > 0 and routes by these
 labels; the greedy match of an SSM's argmax chain ranks SSMs by something else (on the tiny
 fixture's sampled pool it put SSM 2 at or above SSM 0, whose 1 - TV and fixed chains are the
@@ -162,6 +163,17 @@ def sampled_chain_acceptance(
     return expected[:, [d - 1 for d in depths]]
 
 
+def label_sampling(llm: PreTrainedModel, temperature: float) -> SamplingConfig:
+    """The sampling that `generate(do_sample=True, temperature=T)` applies for this LLM: T with the
+    LLM's generation config, else transformers' defaults (top_k=50), as the decoder resolves a
+    request's options and applies them to p and q alike (decoder/generation_options.py). Labelled
+    at T alone, the tiny fixture's sampled labels rated SSM 0's chain of 4 at 1.77 tokens along the
+    quick suite's prompts, where decoding accepted about 3 (3.17 with top_k=50; docs/results.md,
+    2026-11-29)."""
+    config, _ = llm._prepare_generation_config(None, do_sample=True, temperature=temperature)
+    return SamplingConfig.from_generation_config(config)
+
+
 # ---------------------------------------------------------------- one sample
 
 
@@ -201,7 +213,7 @@ def sample_rows(
                 match[:, i, w] = beam_match_lengths(ssm, contexts, reference, width, config.depths, pad_id)
     if config.temperature is not None:
         chain = config.widths.index(1)
-        probs = LogitsToProbs(SamplingConfig(do_sample=True, temperature=config.temperature))
+        probs = LogitsToProbs(label_sampling(llm, config.temperature))
         p = probs(logits)  # [T, V], once for every SSM
         for i, ssm in enumerate(ssms):
             match[:, i, chain] = sampled_chain_acceptance(p, ssm, sequence, kept, config.depths, probs)
@@ -288,9 +300,13 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
             "--temperature T --widths 1)"
         )
     dataset = save_dataset(rows, out)
+    rule = "greedy"
+    if config.temperature is not None:
+        sampling = label_sampling(llm, config.temperature)
+        rule = f"sampled at temperature {config.temperature}, top_k {sampling.top_k}, top_p {sampling.top_p}"
     metadata = {
         "config": asdict(config),
-        "rule": "greedy" if config.temperature is None else f"sampled at temperature {config.temperature}",
+        "rule": rule,
         "label_shape": ["ssm", "width", "depth"],
         "rows": len(dataset),
         "samples": len({r["id"] for r in rows}),
