@@ -149,7 +149,8 @@ def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp
 def test_sampled_labels_follow_the_llms_own_sampling_settings(setup, tmp_path: Path) -> None:
     """An LLM whose generation config samples with top_k=5 is labelled as its requests are sampled
     (`label_sampling`): p and q cut to their 5 likeliest tokens before 1 - TV. Labelled at T alone
-    (transformers' top_k=50 is no cut of a 32-token vocabulary), these labels differ."""
+    (transformers' top_k=50 is no cut of a 32-token vocabulary), these labels differ; and a run
+    folder labelled under one rule is not resumed under another."""
     llm_dir, ssms, distilled = setup
     GenerationConfig(do_sample=True, top_k=5).save_pretrained(llm_dir)
     config = PredictorDataConfig(llm_dir, tuple(ssms), distilled, depths=DEPTHS, temperature=0.7)
@@ -158,6 +159,9 @@ def test_sampled_labels_follow_the_llms_own_sampling_settings(setup, tmp_path: P
     check_sampled_labels(labels, llm_dir, ssms[1], distilled, 0.7, top_k=5)
     with pytest.raises(AssertionError):
         check_sampled_labels(labels, llm_dir, ssms[1], distilled, 0.7)
+    GenerationConfig(do_sample=True, top_k=7).save_pretrained(llm_dir)  # the rule changed: no resume
+    with pytest.raises(ValueError, match=r"other settings \(sampling: .*'top_k': 5.* -> .*'top_k': 7"):
+        collect(config, tmp_path / "top5")
 
 
 def check_sampled_labels(

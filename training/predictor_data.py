@@ -183,8 +183,10 @@ def sample_rows(
     sample: dict[str, Any],
     config: PredictorDataConfig,
     pad_id: int,
+    probs: LogitsToProbs | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """The label rows of one distilled sample, and how many candidate positions were skipped."""
+    """The label rows of one distilled sample, and how many candidate positions were skipped;
+    `probs`: the sampled rule's distributions (`label_sampling`), with a temperature."""
     sequence = sample["prompt_ids"] + sample["output_ids"]
     hidden, choices, logits = llm_pass(llm, sequence)
     tokens, depth = torch.tensor(sequence), max(config.depths)
@@ -211,9 +213,8 @@ def sample_rows(
         if width in config.greedy_widths:
             for i, ssm in enumerate(ssms):
                 match[:, i, w] = beam_match_lengths(ssm, contexts, reference, width, config.depths, pad_id)
-    if config.temperature is not None:
+    if probs is not None:
         chain = config.widths.index(1)
-        probs = LogitsToProbs(label_sampling(llm, config.temperature))
         p = probs(logits)  # [T, V], once for every SSM
         for i, ssm in enumerate(ssms):
             match[:, i, chain] = sampled_chain_acceptance(p, ssm, sequence, kept, config.depths, probs)
@@ -272,7 +273,15 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
     started = time.time()
     llm, ssms, pad_id = load_models(config)
     samples = selected_samples(config)
-    claim_run_folder(out, config.identity())
+    identity, rule, probs = config.identity(), "greedy", None
+    if config.temperature is not None:
+        # The labels depend on the LLM's generation config too: a resume after it changed (or of
+        # labels taken at T alone, before `label_sampling`) would mix two rules in one dataset.
+        sampling = label_sampling(llm, config.temperature)
+        identity["sampling"] = {"top_k": sampling.top_k, "top_p": sampling.top_p}
+        rule = f"sampled at temperature {config.temperature}, top_k {sampling.top_k}, top_p {sampling.top_p}"
+        probs = LogitsToProbs(sampling)
+    claim_run_folder(out, identity, absent={"sampling": "temperature alone"} if probs is not None else None)
     done = {row["id"] for row in read_shards(out)}
     pending = [s for s in samples if s["id"] not in done]
     print(f"[predictor-data] {len(samples)} samples, {len(done)} done, {len(pending)} to label")
@@ -281,7 +290,7 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
     for start in range(0, len(pending), config.shard_size):
         shard: list[dict[str, Any]] = []
         for sample in pending[start : start + config.shard_size]:
-            rows, missed = sample_rows(llm, ssms, sample, config, pad_id)
+            rows, missed = sample_rows(llm, ssms, sample, config, pad_id, probs)
             shard.extend(rows)
             skipped += missed
             positions += len(rows)
@@ -300,10 +309,6 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
             "--temperature T --widths 1)"
         )
     dataset = save_dataset(rows, out)
-    rule = "greedy"
-    if config.temperature is not None:
-        sampling = label_sampling(llm, config.temperature)
-        rule = f"sampled at temperature {config.temperature}, top_k {sampling.top_k}, top_p {sampling.top_p}"
     metadata = {
         "config": asdict(config),
         "rule": rule,
@@ -356,7 +361,9 @@ def parse_args(argv: list[str] | None) -> tuple[PredictorDataConfig, Path]:
         "--temperature",
         type=float,
         help="label width-1 chains by their expected accepted length under speculative sampling "
-        "at this temperature (a pool for sampled requests); default: the greedy match",
+        "at this temperature, with the LLM's generation config's top_k / top_p as generate "
+        "applies them (transformers' default top_k=50); a pool for sampled requests; default: "
+        "the greedy match",
     )
     p.add_argument("--threads", type=int, help="torch threads")
     a = p.parse_args(argv)
