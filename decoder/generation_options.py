@@ -162,6 +162,18 @@ class GenerationSettings:
         return self.probs.config
 
 
+def requested_sampling(llm: PreTrainedModel, **options: Any) -> SamplingConfig:
+    """The sampling `generate(do_sample=True, **options)` applies for this LLM: the options given
+    (None: unset) over the LLM's generation config over transformers' defaults (top_k=50), as
+    `resolve` merges them for a request. Offline estimates of sampled acceptance (the predictor's
+    labels, Sequoia's acceptance vectors) measure p and q under these settings: taken at the
+    temperature alone, the tiny fixture's labels rated SSM 0's sampled chain of 4 at 1.77 tokens
+    where decoding at T = 0.8 accepted about 3 (3.17 with top_k=50; docs/results.md, 2026-11-29)."""
+    given = {name: value for name, value in options.items() if value is not None}
+    config, _ = llm._prepare_generation_config(None, **{**given, "do_sample": True})
+    return SamplingConfig.from_generation_config(config)
+
+
 def check_fields(config: GenerationConfig) -> None:
     """Raise a ValueError naming every field set to something the decoder cannot reproduce: a
     refused field off its neutral values, or a field of this transformers that this module does

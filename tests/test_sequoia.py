@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_greedy_equivalence import CASES, check_stats, llm_for, noisy_ssm, prompt_ids, reference
 from test_sampling_lossless import check_decoder, models  # noqa: F401  (models: a fixture)
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from specboost.decoder import Rule, SpeculativeDecoder
 from specboost.decoder.tiny_models import build_tiny_models
@@ -28,6 +29,7 @@ from specboost.speculator.sequoia_dp import chains_shape, expected_tokens, optim
 from specboost.speculator.sequoia_hardware import choose_tree_size, relative_costs
 from specboost.speculator.shapes import TopologyShape
 from specboost.training.sequoia_acceptance import (
+    distilled_samples,
     estimate_acceptance,
     greedy_counts,
     without_replacement_counts,
@@ -316,9 +318,8 @@ def test_sampling_without_replacement_is_lossless(models) -> None:  # noqa: F811
 
 
 # Command line -------------------------------------------------------------------------------------------
-def test_cli_writes_tables_and_the_pool_acceptance_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def cli_setup(tmp_path: Path) -> tuple[Path, list[Path], list[str]]:
+    """Tiny models, a distilled run of 3 samples (2 held out) and the CLI's arguments for them."""
     llm_dir, ssm_dirs = build_tiny_models(tmp_path / "models")
     distilled = tmp_path / "distilled"
     distilled.mkdir()
@@ -328,9 +329,16 @@ def test_cli_writes_tables_and_the_pool_acceptance_file(
     ]
     pq.write_table(pa.Table.from_pylist(rows), distilled / "data.parquet")
     (tmp_path / "record.json").write_text(json.dumps({"held_out_ids": [0, 2]}))
-    out = tmp_path / "sequoia_acceptance.json"
     argv = ["--llm", str(llm_dir), "--ssm", *map(str, ssm_dirs), "--distilled", str(distilled)]
     argv += ["--held-out-from", str(tmp_path / "record.json"), "--max-nodes", "8", "--width", "3"]
+    return llm_dir, ssm_dirs, argv
+
+
+def test_cli_writes_tables_and_the_pool_acceptance_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _, ssm_dirs, argv = cli_setup(tmp_path)
+    out = tmp_path / "sequoia_acceptance.json"
     assert main([*argv, "--chains", "2", "--decode", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "sequoia" in printed and "2 chains" in printed and "measured" in printed
@@ -346,3 +354,27 @@ def test_cli_writes_tables_and_the_pool_acceptance_file(
                 solve(acceptance.marginal, row["nodes"]).value(row["nodes"])
             )
             assert row["sequoia"] >= max(row["chains"].values()) - 1e-12  # a chain is one of the trees
+
+
+def test_cli_measures_sampled_vectors_as_requests_are_sampled(tmp_path: Path) -> None:
+    """`--rule without_replacement` measures at the sampling a request at that temperature gets:
+    the LLM's generation config (here top_k=3), else transformers' defaults, flags over both. A
+    vector measured at the temperature alone (no cut) differs: the SSM's draws and p both change."""
+    llm_dir, ssm_dirs, argv = cli_setup(tmp_path)
+    GenerationConfig(do_sample=True, top_k=3).save_pretrained(llm_dir)
+    argv += ["--ssm", str(ssm_dirs[0]), "--rule", "without_replacement", "--temperature", "0.7"]
+    llm, ssm = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (llm_dir, ssm_dirs[0]))
+    samples = distilled_samples(tmp_path / "distilled", tmp_path / "record.json", None)
+
+    def measured(flags: list[str], sampling: SamplingConfig) -> AcceptanceVector:
+        assert main([*argv, *flags, "--out", str(tmp_path / "out.json")]) == 0
+        (vector,) = load_acceptance_file(tmp_path / "out.json")
+        assert vector == estimate_acceptance(llm, ssm, samples, k=3, sampling=sampling)
+        return vector
+
+    cut = measured([], SamplingConfig(True, 0.7, top_k=3))
+    assert (cut.top_k, cut.top_p, cut.temperature) == (3, 1.0, 0.7)
+    uncut = measured(["--top-k", "0"], SamplingConfig(True, 0.7))
+    assert uncut.top_k == 0 and uncut.p != cut.p
+    assert measured(["--top-p", "0.9"], SamplingConfig(True, 0.7, top_k=3, top_p=0.9)).top_p == 0.9
+    assert main([*argv, "--temperature", "0", "--out", str(tmp_path / "bad.json")]) == 2

@@ -17,7 +17,7 @@ labels are instead what a sampled chain of d tokens gets accepted in expectation
 sampling at temperature T (ALGORITHMS.md 5): with a_j = sum_v min(p_j(v), q_j(v)) = 1 - TV, the
 chance that the token drafted at position j is accepted, p and q the LLM's and the SSM's
 distributions teacher-forced along the sample, sampled as a request at temperature T is (the
-LLM's generation config, else transformers' top_k=50: `label_sampling`), the label is
+LLM's generation config, else transformers' top_k=50: `requested_sampling`), the label is
 sum_{k=1..d} prod_{j=t..t+k-1} a_j. The router drafts sampled chains at T > 0 and routes by these
 labels; the greedy match of an SSM's argmax chain ranks SSMs by something else (on the tiny
 fixture's sampled pool it put SSM 2 at or above SSM 0, whose 1 - TV and fixed chains are the
@@ -64,12 +64,13 @@ from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specboost.decoder.generation_options import requested_sampling
 from specboost.decoder.validation import check_same_vocabulary
 from specboost.speculator.beam_search import beam_match_lengths
 from specboost.speculator.loading import load_causal_lm, load_tokenizer
 from specboost.speculator.model_info import check_model_location
 from specboost.speculator.predictor import DEPTHS, WIDTHS
-from specboost.speculator.sampling import LogitsToProbs, SamplingConfig
+from specboost.speculator.sampling import LogitsToProbs
 from specboost.training.distill import load_distilled
 from specboost.training.run_files import library_versions, write_json_atomic
 from specboost.training.run_shards import claim_run_folder, read_shards, write_shard
@@ -163,17 +164,6 @@ def sampled_chain_acceptance(
     return expected[:, [d - 1 for d in depths]]
 
 
-def label_sampling(llm: PreTrainedModel, temperature: float) -> SamplingConfig:
-    """The sampling that `generate(do_sample=True, temperature=T)` applies for this LLM: T with the
-    LLM's generation config, else transformers' defaults (top_k=50), as the decoder resolves a
-    request's options and applies them to p and q alike (decoder/generation_options.py). Labelled
-    at T alone, the tiny fixture's sampled labels rated SSM 0's chain of 4 at 1.77 tokens along the
-    quick suite's prompts, where decoding accepted about 3 (3.17 with top_k=50; docs/results.md,
-    2026-11-29)."""
-    config, _ = llm._prepare_generation_config(None, do_sample=True, temperature=temperature)
-    return SamplingConfig.from_generation_config(config)
-
-
 # ---------------------------------------------------------------- one sample
 
 
@@ -186,7 +176,7 @@ def sample_rows(
     probs: LogitsToProbs | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """The label rows of one distilled sample, and how many candidate positions were skipped;
-    `probs`: the sampled rule's distributions (`label_sampling`), with a temperature."""
+    `probs`: the sampled rule's distributions (`requested_sampling`), with a temperature."""
     sequence = sample["prompt_ids"] + sample["output_ids"]
     hidden, choices, logits = llm_pass(llm, sequence)
     tokens, depth = torch.tensor(sequence), max(config.depths)
@@ -276,8 +266,8 @@ def collect(config: PredictorDataConfig, out: Path) -> dict[str, Any]:
     identity, rule, probs = config.identity(), "greedy", None
     if config.temperature is not None:
         # The labels depend on the LLM's generation config too: a resume after it changed (or of
-        # labels taken at T alone, before `label_sampling`) would mix two rules in one dataset.
-        sampling = label_sampling(llm, config.temperature)
+        # labels taken at T alone, before `requested_sampling`) would mix two rules in one dataset.
+        sampling = requested_sampling(llm, temperature=config.temperature)
         identity["sampling"] = {"top_k": sampling.top_k, "top_p": sampling.top_p}
         rule = f"sampled at temperature {config.temperature}, top_k {sampling.top_k}, top_p {sampling.top_p}"
         probs = LogitsToProbs(sampling)

@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.decoder.decoder import SpeculativeDecoder
+from specboost.decoder.generation_options import requested_sampling
 from specboost.speculator.loading import load_models
 from specboost.speculator.sampling import SamplingConfig
 from specboost.speculator.sequoia import SequoiaSpeculator
@@ -95,7 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-samples", type=int, help="use at most this many samples")
     p.add_argument("--rule", choices=["greedy", "without_replacement"], default="greedy")
     p.add_argument("--temperature", type=float, default=1.0, help="for --rule without_replacement")
-    p.add_argument("--top-p", type=float, default=1.0, help="for --rule without_replacement")
+    settings = "for --rule without_replacement (default: the LLM's generation config, else transformers' %s)"
+    p.add_argument("--top-k", type=int, help=settings % "50")
+    p.add_argument("--top-p", type=float, help=settings % "1.0")
     p.add_argument("--width", type=int, default=8, help="ranks measured: children per node (default 8)")
     p.add_argument("--simulations", type=int, default=8, help="Monte Carlo replays per position")
     p.add_argument("--seed", type=int, default=0)
@@ -116,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         models = load_models(args.llm, args.ssm, dtype=args.dtype)
         samples = distilled_samples(args.distilled, args.held_out_from, args.max_samples)
+        sampling = SamplingConfig()  # greedy
+        if args.rule == "without_replacement":  # as a request at these settings samples p and q
+            given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+            sampling = requested_sampling(models.llm, **given)
     except (FileNotFoundError, KeyError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    sampling = SamplingConfig(
-        do_sample=args.rule == "without_replacement", temperature=args.temperature, top_p=args.top_p
-    )
     vectors, tables = [], []
     for path, ssm in zip(args.ssm, models.ssms, strict=True):
         acceptance = estimate_acceptance(
