@@ -148,7 +148,7 @@ def test_sampled_labels_are_the_expected_acceptance_of_sampled_chains(setup, tmp
 
 def test_sampled_labels_follow_the_llms_own_sampling_settings(setup, tmp_path: Path) -> None:
     """An LLM whose generation config samples with top_k=5 is labelled as its requests are sampled
-    (`label_sampling`): p and q cut to their 5 likeliest tokens before 1 - TV. Labelled at T alone
+    (`requested_sampling`): p and q cut to their 5 likeliest tokens before 1 - TV. Labelled at T alone
     (transformers' top_k=50 is no cut of a 32-token vocabulary), these labels differ; and a run
     folder labelled under one rule is not resumed under another."""
     llm_dir, ssms, distilled = setup
