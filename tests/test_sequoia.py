@@ -378,3 +378,6 @@ def test_cli_measures_sampled_vectors_as_requests_are_sampled(tmp_path: Path) ->
     assert uncut.top_k == 0 and uncut.p != cut.p
     assert measured(["--top-p", "0.9"], SamplingConfig(True, 0.7, top_k=3, top_p=0.9)).top_p == 0.9
     assert main([*argv, "--temperature", "0", "--out", str(tmp_path / "bad.json")]) == 2
+    greedy = [a if a != "without_replacement" else "greedy" for a in argv]
+    assert main([*greedy, "--top-k", "5", "--out", str(tmp_path / "bad.json")]) == 2
+    assert not (tmp_path / "bad.json").exists()
