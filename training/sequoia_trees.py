@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
+        if args.rule == "greedy" and (args.top_k is not None or args.top_p is not None):
+            raise ValueError("--top-k and --top-p apply to --rule without_replacement only")
         models = load_models(args.llm, args.ssm, dtype=args.dtype)
         samples = distilled_samples(args.distilled, args.held_out_from, args.max_samples)
         sampling = SamplingConfig()  # greedy
-        if args.rule == "greedy" and (args.top_k is not None or args.top_p is not None):
-            raise ValueError("--top-k and --top-p apply to --rule without_replacement only")
         if args.rule == "without_replacement":  # as a request at these settings samples p and q
             given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
             sampling = requested_sampling(models.llm, **given)
