@@ -29,7 +29,7 @@ from specboost.speculator.routed_scheduler import (
     RoutedScheduler,
     learning_regime,
 )
-from specboost.speculator.speculation_gate import COLD_STEPS, SpeculationGate
+from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that read the drafts' q
@@ -52,18 +52,12 @@ class RoutedDrafting:
         self._plan: ChainPlan | None = None
         self._gate: SpeculationGate | None = None  # the step's
         self._drafting = 0.0
-        self._start = 0.0  # when the step's drafting began
-        self._setups = 0  # `setup_count()` when the step began
-        self._steps = 0  # steps of this group so far
-        self._cold = 0  # its first steps, not measured by the gate (`add`)
+        self._span: tuple[float, int] | None = None  # the gate's step began: when, at which `setup_count()`
 
     def add(self, rows: list[SequenceState]) -> None:
-        """Rows join the group. A new group's first COLD_STEPS steps are not measured by the gate
-        (5.4: they reload the caches after what ran before the call), unless that is most of what
-        its rows want: a gate fed only short calls measures their cold steps, as they cost."""
-        if not self._steps:
-            wanted = max(row.stop.remaining for row in rows)
-            self._cold = COLD_STEPS if wanted > 2 * COLD_STEPS else 0
+        """Rows join the group. The gate's next step begins where its drafting does: reading the new
+        rows' prompts is the same work whichever regime runs (5.4)."""
+        self._span = None
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
         joining = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
@@ -111,8 +105,9 @@ class RoutedDrafting:
         """The routed chains of every row; `lengths` (a batch length controller's) do not apply:
         the router chooses the length. A plain step for every row where the gate is off."""
         texts = [row.tokens for row in rows]
-        start = self._start = time.perf_counter()
-        self._setups = setup_count()
+        start = time.perf_counter()
+        if self._span is None:
+            self._span = (start, setup_count())
         self.router = self.scheduler.router_for(self.regime)
         gate = self._gate = self.scheduler.gate(len(rows), self.regime)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
@@ -152,11 +147,11 @@ class RoutedDrafting:
         return self._plan.lengths[row] if self._plan is not None else 0
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
-        self._steps += 1
-        if self._gate is not None and setup_count() == self._setups:  # not warming or setting up
+        now, setups = time.perf_counter(), setup_count()
+        if self._gate is not None and setups == self._span[1]:  # not warming or setting up
             emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-            measure = self._gate.step if self._steps > self._cold else self._gate.unmeasured
-            measure(emitted / len(accepted), time.perf_counter() - self._start)
+            self._gate.step(emitted / len(accepted), now - self._span[0])
+        self._span = (now, setups)  # the next step's time runs from here: the loop's work is its too
         if self._plan is None:
             return
         start = time.perf_counter()

@@ -3,47 +3,46 @@
 The routed rule (section 5.3) scores each step from the profile's costs and the predictor's
 estimates, both corrected online, and each of its choices can look right while the mix loses to
 plain decoding: what a step costs also depends on the steps before it. On a CPU a pass pays for
-bringing its model's weights back into the caches after another model's passes (the tiny
-fixture's LLM: a one-token pass 0.5 ms after plain steps, 1.0-1.4 ms right after drafting steps),
-so a rule that moves between plain steps and drafting, or between SSMs, pays for every move, and
-the profile's steady-state costs do not show it. The gate measures what the rule cannot model. It
-runs the routed scheduler ("on") or plain decoding with nothing decided or drafted ("off") for
-windows of `WINDOW` steps (fewer in batches, whose steps carry more tokens), keeps each regime's
+bringing its model's weights back into the caches after another model's passes (the tiny fixture's
+LLM: a one-token pass 0.5 ms after plain steps, 1.0-1.4 ms right after drafting steps), so a rule
+that moves between plain steps and drafting, or between SSMs, pays for every move, and the
+profile's steady-state costs do not show it. The gate measures what the rule cannot model. It runs
+the routed scheduler ("on") or plain decoding with nothing decided or drafted ("off") for windows
+of `WINDOW_TOKENS` tokens per row (fewer in batches, whose steps take longer), keeps each regime's
 sums of tokens and wall seconds over its windows, decayed by MOMENTUM per window of its own and by
 IDLE_DECAY per window of the other (a regime's rate follows its last few windows, not its last one;
 a trial after a long wait is still judged by what it measures now), and runs the regime with the
 higher measured rate. Every switch is a trial: when the running regime's rate falls below the
 other's, the other runs one window and keeps the lead only if it measures better then. Before,
-every window decayed both regimes by 0.5 and the window in which the running regime fell behind
-was charged as a lost trial: on t08-r29 (tiny fixture, T = 0.8) one slow window of the router
-(190 tokens/s against 280-400 in its others, plain decoding's last rate 219) turned it off for
-3.3 s, most of the table, where it ran 1.4x plain decoding. Exploring is paid for in time, not in
-windows: a trial that lost cost what the better regime would have saved on its tokens, and the
-other regime is tried again only after the better one has run for that loss / EXPLORE_SHARE
-seconds (at least MIN_WAIT windows, at most MAX_WAIT), so exploring costs at most about
-EXPLORE_SHARE of the time whatever a trial costs. The share shrinks as trials keep losing,
-EXPLORE_SHARE / n after the n-th lost in a row (n at most MAX_STREAK), as a bandit explores less
-the more evidence it holds: where speculation never pays, the trials had cost a steady 1.5% of
-`learned+compiled`'s time on the quick fixture's greedy batch-1 prompts, 0.7-1.0% with the
-shrinking share. Trials after a count of windows (2, 4, ... 32, doubling while they lost) had
-left `learned+compiled` at 0.89x our plain loop on the quick suite's greedy batch-1 table
-(quick-r8): a trial of the router after a stretch of plain steps first catches an SSM up on the
-stretch, eagerly, and its steps averaged 2.9-4.8 ms against an off step's 0.6 ms.
+every window decayed both regimes by 0.5 and the window in which the running regime fell behind was
+charged as a lost trial: on t08-r29 (tiny fixture, T = 0.8) one slow window of the router (190
+tokens/s against 280-400 in its others, plain decoding's last rate 219) turned it off for 3.3 s,
+most of the table, where it ran 1.4x plain decoding. Exploring is paid for in time, not in windows:
+a trial that lost cost what the better regime would have saved on its tokens, and the other regime
+is tried again only after the better one has run for that loss / EXPLORE_SHARE seconds (at least
+MIN_WAIT windows, at most MAX_WAIT), so exploring costs at most about EXPLORE_SHARE of the time
+whatever a trial costs. The share shrinks as trials keep losing, EXPLORE_SHARE / n after the n-th
+lost in a row (n at most MAX_STREAK), as a bandit explores less the more evidence it holds: where
+speculation never pays, the trials had cost a steady 1.5% of `learned+compiled`'s time on the quick
+fixture's greedy batch-1 prompts, 0.7-1.0% with the shrinking share. Trials after a count of
+windows (2, 4, ... 32, doubling while they lost) had left `learned+compiled` at 0.89x our plain
+loop on the quick suite's greedy batch-1 table (quick-r8): a trial of the router after a stretch of
+plain steps first catches an SSM up on the stretch, eagerly, and its steps averaged 2.9-4.8 ms
+against an off step's 0.6 ms.
 A regime's rate stays what it last measured until it runs again, so one step timed while the
 decoder set itself up (a compile, a cache's warm-up at a capacity it had not met, a growth: about
 0.2 s against 2 ms steps at batch 8) would hold the gate in the wrong regime and charge its
-window as a loss: such steps (`setup_count`) are not measured. Nor are a group's first COLD_STEPS
-steps (but in groups that want little more): on a CPU they bring the models back into the caches
-after whatever ran before the call (the quick fixture's compiled plain loop right after an eager
-pool's call, the suite's `pruned` row: +0.42, +0.25, +0.12, +0.08 ms on steps 1-4 against
-steady steps of 0.4 ms), so a window holding a call's start measured the call before it too,
-and a trial judged on one won or lost by another program's footprint. What those steps cost is
-still charged to a trial window that lost (`unmeasured`): a call that starts while the router is
-on has it catch its SSM up on the whole prompt, eagerly, in them, and on quick-r18 the greedy
-batch-1 calls that held a trial took 1.24x our plain loop's time per token while the gate, seeing
-only its measured windows, had counted 2 ms lost over the whole table (the trial windows' measured
-rate: 0.94x off's). The charge is against the better regime's steady rate, which its own cold
-steps would not reach either: it errs toward exploring less.
+window as a loss: such steps (`setup_count`) are not measured. Every other step is, from the end
+of the step before it (the loop's own work included) to its verdicts, and a window closes after
+WINDOW_TOKENS tokens per row, not after a count of steps, so that the regimes are measured alike:
+each window holds about as many calls' starts (cold caches after whatever ran before the call,
+the SSM catching up on the prompt) and ends (chains cut short by the tokens left) per token,
+whichever regime ran it. Windows of 16 steps, with a call's first 4 steps left out (they reload
+the caches), had judged the router by its calls' ends: on the quick fixture's greedy 48-token calls
+the router took about 5 steps a call, and the gate measured 13 of its 59 steps, at 2.7 tokens a
+step and 713 tokens/s, while its calls ran 1108 tokens/s at 9.8 tokens a step (our plain loop:
+838); its plain windows, timed without the loop's own work, read 1300 tokens/s. On quick-r30 the
+gate so kept the router off on 90% of the greedy batch-1 steps (0.95x the fastest fixed row).
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
 (greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
@@ -54,9 +53,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-WINDOW = 16  # steps per measured window at batch 1; WINDOW // rows at larger batches (at least MIN_WINDOW)
-MIN_WINDOW = 4
-COLD_STEPS = 4  # a group's (a `generate` call's) first steps, not measured: they reload the caches
+WINDOW_TOKENS = 32  # tokens per row in a measured window at batch 1; WINDOW_TOKENS // rows in batches
+MIN_WINDOW_TOKENS = 8
 MOMENTUM = 0.75  # per window of a regime, of its older windows' evidence
 IDLE_DECAY = 0.9  # per window of the other regime, of an idle regime's evidence
 EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
@@ -99,7 +97,7 @@ class SpeculationGate:
         like: SpeculationGate | None = None,
         price_off: Callable[[], float] | None = None,
     ) -> None:
-        self.window = max(MIN_WINDOW, WINDOW // rows)  # steps per window: a batch's steps weigh more
+        self.window = max(MIN_WINDOW_TOKENS, WINDOW_TOKENS // rows)  # a batch's steps take longer
         self.price_off = price_off  # read once, after the first window, if that was on's
         self.on = True if like is None else like.on  # another batch size's gate: start in its regime
         self.measured = {True: Throughput(), False: Throughput()}
@@ -109,14 +107,7 @@ class SpeculationGate:
         self.trial = False  # the current window tries the regime that lost last
         self.steps = {True: 0, False: 0}  # steps taken in each regime
         self.lost = 0.0  # seconds the trials that lost cost, summed
-        self._window = [0, 0.0, 0]  # tokens, seconds, steps of the window in progress
-        self._unmeasured = [0.0, 0.0]  # tokens, seconds of its steps left out of its rate
-
-    def unmeasured(self, tokens: float, seconds: float) -> None:
-        """A step of the current regime left out of its rate (a call's cold steps): what it cost
-        over the better regime's rate counts if the window it falls in is lost."""
-        self._unmeasured[0] += tokens
-        self._unmeasured[1] += seconds
+        self._window = [0.0, 0.0]  # tokens, seconds of the window in progress
 
     def step(self, tokens: float, seconds: float) -> None:
         """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
@@ -126,18 +117,16 @@ class SpeculationGate:
         window = self._window
         window[0] += tokens
         window[1] += seconds
-        window[2] += 1
-        if window[2] < self.window:
+        if window[0] < self.window:
             return
         for regime, throughput in self.measured.items():
             throughput.decay(MOMENTUM if regime == self.on else IDLE_DECAY)
         self.measured[self.on].add(window[0], window[1])
-        unmeasured = self._unmeasured
-        self._window, self._unmeasured = [0, 0.0, 0], [0.0, 0.0]
-        self._choose(window[0] + unmeasured[0], window[1] + unmeasured[1])
+        self._window = [0.0, 0.0]
+        self._choose(window[0], window[1])
 
     def _choose(self, tokens: float, seconds: float) -> None:
-        """After a window of `tokens` in `seconds` (its unmeasured steps included): run the better
+        """After a window of `tokens` in `seconds`: run the better
         regime. A switch is a trial of the other regime; a trial that lost cost what the better
         regime would have saved on its tokens, and that cost, over the exploring share, is owed in
         seconds of the better regime before the other's next trial. The share is EXPLORE_SHARE

@@ -20,15 +20,15 @@ from test_scheduler import constant_predictor
 from specboost.decoder import SpeculativeDecoder, StrategyOptions, routed_drafting, strategies
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
+from specboost.decoder.sequence import SequenceState
 from specboost.speculator.routed_scheduler import GREEDY, SAMPLED
 from specboost.speculator.speculation_gate import (
-    COLD_STEPS,
     EXPLORE_SHARE,
     MAX_STREAK,
     MAX_WAIT,
     MIN_WAIT,
-    MIN_WINDOW,
-    WINDOW,
+    MIN_WINDOW_TOKENS,
+    WINDOW_TOKENS,
     SpeculationGate,
 )
 
@@ -47,7 +47,7 @@ def run(gate: SpeculationGate, windows: int, rate: dict[bool, float]) -> list[bo
 def regret(regimes: list[bool], rate: dict[bool, float]) -> float:
     """Seconds the windows of the slower regime cost against the faster one's rate."""
     slower = min(rate, key=rate.get)
-    return regimes.count(slower) * WINDOW * (1 / rate[slower] - 1 / rate[not slower])
+    return regimes.count(slower) * WINDOW_TOKENS * (1 / rate[slower] - 1 / rate[not slower])
 
 
 def test_the_gate_turns_speculation_off_where_plain_decoding_is_faster() -> None:
@@ -60,14 +60,16 @@ def test_the_gate_turns_speculation_off_where_plain_decoding_is_faster() -> None
     assert regimes[:2] == [True, False]
     trials = [w for w, on in enumerate(regimes) if on]
     gaps = [b - a - 1 for a, b in itertools.pairwise(trials)]  # the first: off's first window, then MIN_WAIT
-    lost = WINDOW * (1 / rate[True] - 1 / rate[False])  # one trial window's cost
-    off_window = WINDOW / rate[False]
+    lost = WINDOW_TOKENS * (1 / rate[True] - 1 / rate[False])  # one trial window's cost
+    off_window = WINDOW_TOKENS / rate[False]
     shares = [EXPLORE_SHARE / min(n, MAX_STREAK) for n in range(1, len(gaps))]
-    expected = [math.ceil(lost / share / off_window) for share in shares]
-    assert gaps[0] == 1 + MIN_WAIT and gaps[1:] == expected and len(gaps) > MAX_STREAK + 1
-    assert gate.report()["steps_off"] == WINDOW * (1500 - sum(regimes))
+    expected = [lost / share / off_window for share in shares]  # windows, up to the last one's rounding
+    assert gaps[0] == 1 + MIN_WAIT and len(gaps) > MAX_STREAK + 1
+    waits = zip(gaps[1:], expected, strict=True)
+    assert all(math.ceil(wait - 1e-9) <= gap <= math.ceil(wait + 1e-9) for gap, wait in waits)
+    assert gate.report()["steps_off"] == WINDOW_TOKENS * (1500 - sum(regimes))
     assert gate.report()["seconds_lost"] == pytest.approx(regret(regimes[2:], rate))
-    seconds = sum(WINDOW / rate[on] for on in regimes)
+    seconds = sum(WINDOW_TOKENS / rate[on] for on in regimes)
     assert regret(regimes, rate) <= EXPLORE_SHARE * seconds + 3 * lost
     assert regret(regimes[-400:], rate) <= EXPLORE_SHARE / MAX_STREAK * seconds * 400 / 1500 + lost
 
@@ -109,9 +111,11 @@ def test_a_trial_that_wins_takes_over() -> None:
     gate = SpeculationGate()
     run(gate, 5, {True: 500.0, False: 1000.0})  # on, off, off, off, on (lost)
     owed = gate.owed
-    assert not gate.on and owed == pytest.approx(WINDOW * (1 / 500 - 1 / 1000) / EXPLORE_SHARE, rel=1e-6)
+    assert not gate.on and owed == pytest.approx(
+        WINDOW_TOKENS * (1 / 500 - 1 / 1000) / EXPLORE_SHARE, rel=1e-6
+    )
     regimes = run(gate, 80, {True: 2000.0, False: 1000.0})
-    assert abs(regimes.index(True) - owed / (WINDOW / 1000)) <= 1  # the next trial, once owed is paid
+    assert abs(regimes.index(True) - owed / (WINDOW_TOKENS / 1000)) <= 1  # the next trial, once owed is paid
     after = regimes[regimes.index(True) :]
     assert gate.on and after.count(False) == 1  # the trial of plain decoding after MIN_WAIT windows
     assert after.index(False) == 1 + MIN_WAIT
@@ -129,13 +133,13 @@ def test_the_first_trial_of_plain_decoding_waits_for_its_priced_cost() -> None:
     rate = {True: 1500.0, False: 900.0}
     gate = SpeculationGate(price_off=lambda: prices.append(1) or 1 / 900)
     regimes = run(gate, 60, rate)
-    owed = WINDOW * (1 / 900 - 1 / 1500) / EXPLORE_SHARE
-    assert abs(regimes.index(False) - owed / (WINDOW / 1500)) <= 1 and regimes.count(False) == 1
+    owed = WINDOW_TOKENS * (1 / 900 - 1 / 1500) / EXPLORE_SHARE
+    assert abs(regimes.index(False) - owed / (WINDOW_TOKENS / 1500)) <= 1 and regimes.count(False) == 1
     assert prices == [1]
-    unmeasured = SpeculationGate(price_off=lambda: prices.append(2) or 1.0)
-    for _ in range(unmeasured.window):
-        unmeasured.step(1, 0.0)  # a window of no measurable time: no rate to price against
-    assert prices == [1] and not unmeasured.on
+    timeless = SpeculationGate(price_off=lambda: prices.append(2) or 1.0)
+    for _ in range(timeless.window):
+        timeless.step(1, 0.0)  # a window of no measurable time: no rate to price against
+    assert prices == [1] and not timeless.on
     for price in (1 / 1500, 1 / 2000):
         assert run(SpeculationGate(price_off=lambda p=price: p), 3, rate) == [True, False, True]
     _, decoder = drafting_in_vain()
@@ -154,7 +158,7 @@ def simulate(ratio: float, seed: int, gate: SpeculationGate | None, fixed: bool 
     rng = random.Random(seed)
     speed, behind, tokens, seconds = 0.0, 0, 0, 0.0
     for _ in range(48):
-        content, left, steps = math.exp(rng.gauss(0, 0.2)), 48, 0
+        content, left = math.exp(rng.gauss(0, 0.2)), 48
         while left:
             speed = 0.97 * speed + rng.gauss(0, 0.15 * math.sqrt(1 - 0.97**2))
             on = fixed if gate is None else gate.on
@@ -166,9 +170,10 @@ def simulate(ratio: float, seed: int, gate: SpeculationGate | None, fixed: bool 
             else:
                 emitted, took, behind = 1, 0.004 * math.exp(speed + rng.gauss(0, 0.05)), behind + 1
             took += rng.uniform(0.03, 0.12) if rng.random() < 0.003 else 0.0
-            emitted, left, steps = min(emitted, left), left - min(emitted, left), steps + 1
+            emitted = min(emitted, left)
+            left -= emitted
             if gate is not None:
-                (gate.step if steps > COLD_STEPS else gate.unmeasured)(emitted, took)
+                gate.step(emitted, took)
             tokens, seconds = tokens + emitted, seconds + took
     return tokens / seconds
 
@@ -189,9 +194,9 @@ def test_a_costly_trial_waits_at_most_max_wait_windows() -> None:
     good: it is tried again after MAX_WAIT windows."""
     gate = SpeculationGate()
     run(gate, 4, {True: 1000.0, False: 1000.0})
-    for _ in range(WINDOW):
+    for _ in range(WINDOW_TOKENS):
         gate.step(1, 0.5)  # a trial window of the router that stalled
-    assert not gate.on and gate.owed > MAX_WAIT * WINDOW / 1000  # seconds of MAX_WAIT off windows
+    assert not gate.on and gate.owed > MAX_WAIT * WINDOW_TOKENS / 1000  # seconds of MAX_WAIT off windows
     regimes = run(gate, MAX_WAIT + 1, {True: 1000.0, False: 1000.0})
     assert regimes.index(True) == MAX_WAIT
 
@@ -206,32 +211,12 @@ def test_exploring_costs_at_most_its_share_of_the_time(on_rate: float, off_rate:
     gate = SpeculationGate()
     rate = {True: on_rate, False: off_rate}
     regimes = run(gate, windows, rate)
-    seconds = sum(WINDOW / rate[on] for on in regimes)
+    seconds = sum(WINDOW_TOKENS / rate[on] for on in regimes)
     lost = regret(regimes, rate)
     share = max(EXPLORE_SHARE, (max(rate.values()) / min(rate.values()) - 1) / MAX_WAIT)
-    assert lost <= share * seconds + 2 * WINDOW * abs(1 / on_rate - 1 / off_rate) + 1e-9
+    assert lost <= share * seconds + 2 * WINDOW_TOKENS * abs(1 / on_rate - 1 / off_rate) + 1e-9
     first = regret(regimes[:1], rate)  # measured before the other regime had a rate to lose against
     assert gate.report()["seconds_lost"] == pytest.approx(lost - first, abs=1e-9)
-
-
-def test_a_lost_windows_unmeasured_steps_count_in_its_loss() -> None:
-    """A call's cold steps stay out of a regime's rate, but what they cost counts when the window
-    they fall in is lost: a trial whose call started by catching the SSMs up on a prompt owes that
-    time too (at the better regime's rate, its tokens were worth 1 ms each here)."""
-    gate = SpeculationGate()
-    rate = {True: 500.0, False: 1000.0}
-    run(gate, 4, rate)  # on, off, off, off: the next window is the router's trial
-    assert gate.on
-    gate.unmeasured(4, 0.04)  # a cold start: 4 tokens in 40 ms
-    run(gate, 1, rate)
-    cold = 0.04 - 4 / rate[False]
-    assert not gate.on
-    assert gate.report()["seconds_lost"] == pytest.approx(WINDOW * (1 / 500 - 1 / 1000) + cold)
-    assert gate.measured[True].rate == pytest.approx(500.0)  # its rate: the measured steps only
-    owed = gate.owed
-    gate.unmeasured(4, 0.04)  # the better regime's cold steps count as time it ran
-    run(gate, 1, rate)
-    assert gate.owed == pytest.approx(owed - WINDOW / 1000 - 0.04)
 
 
 def test_a_change_in_the_regime_not_run_is_found_once_the_last_loss_is_paid() -> None:
@@ -241,8 +226,8 @@ def test_a_change_in_the_regime_not_run_is_found_once_the_last_loss_is_paid() ->
     run(gate, 5, {True: 800.0, False: 1000.0})  # on, off, off, off, on (lost)
     lost = gate.report()["seconds_lost"]
     regimes = run(gate, 100, {True: 3000.0, False: 1000.0})
-    waited = regimes.index(True) * WINDOW / 1000  # seconds of plain decoding before the trial
-    assert lost / EXPLORE_SHARE <= waited <= lost / EXPLORE_SHARE + WINDOW / 1000
+    waited = regimes.index(True) * WINDOW_TOKENS / 1000  # seconds of plain decoding before the trial
+    assert lost / EXPLORE_SHARE <= waited <= lost / EXPLORE_SHARE + WINDOW_TOKENS / 1000
     assert all(regimes[regimes.index(True) : regimes.index(True) + 1 + MIN_WAIT])
 
 
@@ -289,9 +274,9 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
     monkeypatch.setattr(RoutedDrafting, "propose", recorded)
     for rows in (1, 3):
         prompts = torch.randint(0, VOCAB, (rows, 6), generator=torch.Generator().manual_seed(rows))
-        out = BatchedDecoder(decoder).generate(prompts, max_new_tokens=120)
+        out = BatchedDecoder(decoder).generate(prompts, max_new_tokens=200)
         for b in range(rows):
-            alone = llm.generate(prompts[b : b + 1], max_new_tokens=120, do_sample=False)
+            alone = llm.generate(prompts[b : b + 1], max_new_tokens=200, do_sample=False)
             assert torch.equal(out.sequences[b], alone[0])
         after_off = False  # the prompt's pass returns the states
         for on, known, levels, decides in steps:
@@ -317,7 +302,9 @@ def test_a_new_batch_size_starts_where_the_nearest_gate_stands() -> None:
     assert not eight.on and eight.owed > 0
     assert scheduler.gate(5) is eight  # one bucket
     four = scheduler.gate(3)
-    assert not four.on and four.owed == eight.owed and four.window == max(MIN_WINDOW, WINDOW // 4)
+    assert (
+        not four.on and four.owed == eight.owed and four.window == max(MIN_WINDOW_TOKENS, WINDOW_TOKENS // 4)
+    )
     assert four.streak == eight.streak == 1
     windows = four.owed / (four.window / 1000)  # off windows that pay what it owes
     regimes = run(four, math.ceil(windows) + 2, {True: 500.0, False: 1000.0})
@@ -392,38 +379,50 @@ def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.Monkey
     out = decoder.generate(prompt, max_new_tokens=60)
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
     timed = [seconds for _, _, seconds in measured]
-    assert setups[0] >= 5 and len(timed) == out.stats.llm_steps - setups[0] - COLD_STEPS
+    assert setups[0] >= 5 and len(timed) == out.stats.llm_steps - setups[0]
     assert max(timed) < 0.05
 
 
-def test_a_calls_cold_steps_are_not_measured_unless_the_call_is_that_short(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A call's first COLD_STEPS steps reload the caches after whatever ran before it (on the quick
-    fixture's CPU +0.42 ms on step 1 against 0.4 ms steps): the gate leaves them out, so that a
-    window holding a call's start does not measure the call before it (they are handed over as
-    `unmeasured`, charged only to a lost window). A call that wants no more than 2 COLD_STEPS
-    tokens is measured whole: its cold steps are most of what such calls cost."""
+def test_the_gate_times_whole_steps_and_closes_windows_on_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step is timed from the end of the step before it, so the loop's own work between steps
+    counts (here 20 ms of it, in the depths the next draft reads); a call's first step from its
+    drafting, so the prompt's reading and the time between calls do not. Every step is measured:
+    windows close after WINDOW_TOKENS tokens, so each holds about as many calls' starts and ends
+    per token whichever regime runs (ALGORITHMS.md 5.4). Before, a call's first 4 steps were left
+    out and windows closed after 16 steps: the router, about 5 steps a 48-token call, was judged
+    by its calls' cut-short ends."""
     llm, decoder = drafting_in_vain()
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     decoder.generate(prompt, max_new_tokens=30)  # torch's own first calls, untimed
     measured = recorded_gate_steps(monkeypatch)
-    cold: list[float] = []
-    unmeasured = SpeculationGate.unmeasured
-    monkeypatch.setattr(
-        SpeculationGate, "unmeasured", lambda gate, t, s: cold.append(s) or unmeasured(gate, t, s)
-    )
-    slow_proposals(monkeypatch, lambda drafting: drafting._steps < COLD_STEPS, 0.02)  # a cold start
-    for _ in range(3):
+    max_depth = SequenceState.max_depth
+    monkeypatch.setattr(SequenceState, "max_depth", lambda row, *a: time.sleep(0.02) or max_depth(row, *a))
+    for _ in range(2):
         out = decoder.generate(prompt, max_new_tokens=30)
         assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
     timed = [seconds for _, _, seconds in measured]
-    assert len(timed) == 3 * (out.stats.llm_steps - COLD_STEPS) and max(timed) < 0.02
-    assert len(cold) == 3 * COLD_STEPS and min(cold) >= 0.02  # handed over as unmeasured steps
-    measured.clear()
-    out = decoder.generate(prompt, max_new_tokens=2 * COLD_STEPS)
-    timed = [seconds for _, _, seconds in measured]
-    assert len(timed) == out.stats.llm_steps and max(timed) >= 0.02
+    steps = out.stats.llm_steps
+    assert len(timed) == 2 * steps
+    firsts = [timed[0], timed[steps]]  # timed from their drafting, after the depths were read
+    assert max(firsts) < 0.02 <= min(timed[1:steps] + timed[steps + 1 :])
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_window_closes_after_its_tokens_not_its_steps(rows: int) -> None:
+    """The router's steps of 8 tokens close a window as soon as plain decoding's steps of 1 do
+    in tokens: WINDOW_TOKENS per row at batch 1, fewer at batch 8 (at least MIN_WINDOW_TOKENS)."""
+    gate = SpeculationGate(rows)
+    assert gate.window == max(MIN_WINDOW_TOKENS, WINDOW_TOKENS // rows)
+    for _ in range(gate.window // 8 - 1):
+        gate.step(8, 0.004)
+    assert gate.measured[True].rate is None and gate.on
+    gate.step(8, 0.004)
+    assert gate.measured[True].rate == pytest.approx(2000.0) and not gate.on  # off's first window
+    for _ in range(gate.window - 1):
+        gate.step(1, 0.001)
+    assert gate.measured[False].rate is None
+    gate.step(1, 0.001)
+    assert gate.measured[False].rate == pytest.approx(1000.0) and gate.on
 
 
 def test_the_gate_is_refused_for_the_beam_rule(monkeypatch: pytest.MonkeyPatch) -> None:
