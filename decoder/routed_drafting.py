@@ -147,11 +147,12 @@ class RoutedDrafting:
         return self._plan.lengths[row] if self._plan is not None else 0
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
-        now, setups = time.perf_counter(), setup_count()
-        if self._gate is not None and setups == self._span[1]:  # not warming or setting up
-            emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-            self._gate.step(emitted / len(accepted), now - self._span[0])
-        self._span = (now, setups)  # the next step's time runs from here: the loop's work is its too
+        if self._gate is not None:
+            now, setups = time.perf_counter(), setup_count()
+            if setups == self._span[1]:  # not warming or setting up
+                emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
+                self._gate.step(emitted / len(accepted), now - self._span[0])
+            self._span = (now, setups)  # the next step's time runs from here: the loop's work is its too
         if self._plan is None:
             return
         start = time.perf_counter()

@@ -126,10 +126,10 @@ class SpeculationGate:
         self._choose(window[0], window[1])
 
     def _choose(self, tokens: float, seconds: float) -> None:
-        """After a window of `tokens` in `seconds`: run the better
-        regime. A switch is a trial of the other regime; a trial that lost cost what the better
-        regime would have saved on its tokens, and that cost, over the exploring share, is owed in
-        seconds of the better regime before the other's next trial. The share is EXPLORE_SHARE
+        """After a window of `tokens` in `seconds`: run the better regime. A switch is a trial of
+        the other regime; a trial that lost cost what the better regime would have saved on its
+        tokens, and that cost, over the exploring share, is owed in seconds of the better regime
+        before the other's next trial. The share is EXPLORE_SHARE
         over the trials lost in a row (at most MAX_STREAK of them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
