@@ -68,10 +68,13 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
             assert "--threads" not in after.argv and after.speed_args == ("--threads", "3")
 
 
-def test_a_trunk_takes_its_steps_from_the_pool_and_every_specialist_starts_from_it(tmp_path: Path) -> None:
-    """The tiny fixture's specialists branch from a trunk trained on all the pool's data
+@pytest.mark.parametrize("fixture", ["tiny", "small"])
+def test_a_trunk_takes_its_steps_from_the_pool_and_every_specialist_starts_from_it(
+    tmp_path: Path, fixture: str
+) -> None:
+    """Each fixture's specialists branch from a trunk trained on all the pool's data
     (ALGORITHMS.md 4.1): trunk and members together train the generalist's steps."""
-    steps = {s.name: s for s in fixture_steps("tiny", tmp_path, threads=1)}
+    steps = {s.name: s for s in fixture_steps(fixture, tmp_path, threads=1)}
     names = list(steps)
     assert names.index("trunk") == names.index("boost") - 1
     trunk, pool, generalist = steps["trunk"].argv, steps["boost"].argv, steps["generalist"].argv
@@ -85,9 +88,18 @@ def test_a_trunk_takes_its_steps_from_the_pool_and_every_specialist_starts_from_
         value(generalist, "--max-steps")
     )
     assert value(pool, "--ssm-base") == str(Path(value(trunk, "--out")) / "ssm-0")
-    assert "--ssm-base" not in generalist and "trunk" not in {
-        s.name for s in fixture_steps("small", tmp_path, 1)
-    }
+    assert "--ssm-base" not in generalist
+
+
+def test_without_a_trunk_the_specialists_start_from_scratch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(
+        bench_fixture.FIXTURES, "tiny", bench_fixture.FixtureSpec(preset="tiny", trunk_steps=0)
+    )
+    steps = {s.name: s for s in fixture_steps("tiny", tmp_path, threads=1)}
+    assert "trunk" not in steps and "--ssm-base" not in steps["boost"].argv
+    assert steps["boost"].argv[steps["boost"].argv.index("--max-steps") + 1] == "400"
 
 
 @pytest.mark.parametrize("trunk_steps", [-1, 1198])
