@@ -31,9 +31,12 @@ import torch
 from torch._inductor import list_mode_options
 from transformers import PreTrainedModel
 
+from specboost.speculator.argmax_chain import argmax_chain
 from specboost.speculator.kv_cache import (
+    CHAIN_BLOCKS,
     COMPILED_MAX_CHAIN,
     COMPILED_MAX_NODES,
+    ChainFunction,
     CompiledFunctions,
     CompiledPass,
     PassFunction,
@@ -92,8 +95,19 @@ class ModelCalls:
             return None
         if id(model) not in self._calls:
             make = functools.partial(compiled_tree_pass, model.device)
-            self._calls[id(model)] = CompiledPass(make, store=shared_functions(model))
+            # Argmax chains in compiled blocks on the CPU, where they were measured
+            # (speculator/argmax_chain.py); on CUDA each token is a CUDA graph replay of its own.
+            cpu = model.device.type == "cpu"
+            chain = functools.partial(compiled_argmax_chain, model.device) if cpu else None
+            self._calls[id(model)] = CompiledPass(make, store=shared_functions(model), make_chain=chain)
         return self._calls[id(model)]
+
+    def expect_chains(self, model: PreTrainedModel, longest: int) -> None:
+        """Register the argmax-chain blocks `model`'s greedy chains of up to `longest` tokens feed
+        (`chain_blocks`): one-row caches compile them where they first meet a capacity."""
+        call = self.get(model)
+        if call is not None:
+            call.expected_chains.update(chain_blocks(longest))
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
         """Register the pass shapes a strategy can produce with the compiled calls of the LLM and of
@@ -117,6 +131,7 @@ class ModelCalls:
             self.get(llm).expected.add(PassShape(1, 1, False))  # a plain step while the gate is off (5.4)
             for model in speculator.models:
                 self.get(model).expected.update({*catch_up_passes(), PassShape(1, 1, False)})
+                self.expect_chains(model, longest - 1)
             return
         if isinstance(speculator, LearnedScheduler):
             fallback = speculator.fallback
@@ -141,6 +156,9 @@ class ModelCalls:
             call = self.get(unit.model)
             call.expected.update(catch_up_passes())
             call.expected.update(level_passes(beams, len(unit.rows)))
+            shape = getattr(speculator, "shape", None)  # one SSM's greedy chains (`draft_greedy`)
+            if isinstance(shape, ChainShape) and shape.samples == 1 and len(unit.rows) == 1:
+                self.expect_chains(unit.model, shape.length)
 
 
 def verify_passes(largest: int, hidden: bool) -> set[PassShape]:
@@ -210,6 +228,18 @@ def level_passes(beams: set[tuple[int, int]], rows: int) -> set[PassShape]:
             passes.add(PassShape(nodes, node_bucket(pending + nodes), False))
             pending += nodes
     return passes
+
+
+def chain_blocks(longest: int) -> set[int]:
+    """The argmax-chain blocks (`CHAIN_BLOCKS`) that chains of up to `longest` tokens feed: a chain
+    of n tokens feeds n - 1 after its first."""
+    return {block for block in CHAIN_BLOCKS if block < longest}
+
+
+def compiled_argmax_chain(device: torch.device) -> ChainFunction:
+    """`torch.compile` of a copy of `argmax_chain` of its own, compiled as `compiled_tree_pass` is:
+    `CompiledPass` asks for one per model, block and (rows, capacity)."""
+    return torch.compile(own_code(argmax_chain), fullgraph=False, dynamic=False, **compile_options(device))
 
 
 def compiled_tree_pass(device: torch.device) -> PassFunction:

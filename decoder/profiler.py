@@ -178,6 +178,8 @@ def profile(
     segmented += chain_runs(llm, ssms, prefix, batch_sizes, config)
     if config.compile:
         calls = ModelCalls(device, enabled=True)
+        for ssm in ssms:  # the compiled chains are drafted as the decoder drafts them
+            calls.expect_chains(ssm, max(config.depths))
         segmented += chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
     drafting = [  # the drafting tables measured: (CostModel field, run names' tag)
         (name, tag)

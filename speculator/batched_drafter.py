@@ -109,11 +109,16 @@ class BatchedChainDrafter:
             for b, (v, n) in enumerate(zip(verified, lengths, strict=True))
         ]
         logits = self._feed(catch_up)
-        for step in range(width):
-            chains[:, step] = logits.float().argmax(-1)  # as `generate`: argmax of float32 scores
-            active = [step + 1 < n for n in lengths]  # the last token of a chain is never fed
-            if any(active):
-                logits = self.cache.feed_column(chains[:, step], active)
+        chains[:, 0] = logits.float().argmax(-1)  # as `generate`: argmax of float32 scores
+        # The last token of a chain is never fed. Where every row drafts the whole width, the
+        # cache feeds the rest in its compiled blocks where it has them (`TreeCache.feed_argmax`).
+        if all(n == width for n in lengths):
+            if width > 1:
+                chains[:, 1:] = self.cache.feed_argmax(chains[:, 0], width - 1)
+        else:
+            for step in range(1, width):
+                logits = self.cache.feed_column(chains[:, step - 1], [step < n for n in lengths])
+                chains[:, step] = logits.float().argmax(-1)
         self._unread = (chains, [max(0, n - 1) for n in lengths])
         return chains, lengths
 

@@ -45,6 +45,10 @@ CAPACITY_STEP = 128  # capacities are multiples of this by default (one compiled
 NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes: nodes per row, padded
 COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
 COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly
+# Tokens an argmax chain's compiled block feeds in one call (`TreeCache.feed_argmax`,
+# speculator/argmax_chain.py): a chain of 4 takes one block of 3 after its first token, one of 8
+# a block of 7, one of 16 two and a pass; each block is a graph of its own per rows and capacity.
+CHAIN_BLOCKS = (3, 7)
 
 
 class PassShape(NamedTuple):
@@ -56,6 +60,7 @@ class PassShape(NamedTuple):
 
 
 PassFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # `tree_pass`'s signature
+ChainFunction = Callable[..., torch.Tensor]  # `argmax_chain`'s signature
 # Compiled functions per model call. On the CPU each graph holds its own frozen copy of the
 # weights, so a call keeps at most FUNCTION_WEIGHT_BYTES of them (and between MIN_FUNCTIONS and
 # MAX_FUNCTIONS functions) and runs the pass keys it meets after that eagerly, with a warning, as
@@ -82,7 +87,9 @@ class CompiledFunctions:
     decoder of a process that compiles the model (`compilation.shared_functions`)."""
 
     limit: int = MIN_FUNCTIONS
-    functions: dict[tuple[int, ...], PassFunction] = field(default_factory=dict)
+    # Pass keys (rows, nodes, keys, hidden, capacity, head...) and argmax-chain keys ("chain",
+    # rows, tokens, capacity).
+    functions: dict[tuple[object, ...], PassFunction | ChainFunction] = field(default_factory=dict)
     full: bool = False
     hidden_ready: bool = False  # `collect_hidden_states_once` ran on the model
 
@@ -102,10 +109,19 @@ class CompiledPass:
     the plain loop's call. The functions live in `store`, which other calls of the same model may
     share (a key compiled by one is not compiled again by the next)."""
 
-    def __init__(self, make: Callable[[], PassFunction], store: CompiledFunctions | None = None) -> None:
+    def __init__(
+        self,
+        make: Callable[[], PassFunction],
+        store: CompiledFunctions | None = None,
+        make_chain: Callable[[], ChainFunction] | None = None,
+    ) -> None:
         self.make = make
         self.store = store or CompiledFunctions()
         self.expected: set[PassShape] = set()
+        # The argmax-chain blocks (`CHAIN_BLOCKS` sizes) a decoder expects of a one-row cache, made
+        # by `make_chain` (None: none, every chain token is a pass of its own).
+        self.make_chain = make_chain
+        self.expected_chains: set[int] = set()
         # What a pass that returns hidden states applies to them, asked at each such pass: the
         # routed scheduler's predictor (`ChainRouter.pass_head`), so that its estimates come with
         # the verify pass's logits. Its weights are the pass's inputs, not frozen into the graph: a
@@ -133,23 +149,52 @@ class CompiledPass:
         inputs = (tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden)
         return function(model, cache, *inputs, None, head)
 
+    def chain(
+        self,
+        model: PreTrainedModel,
+        cache: StaticCache,
+        token: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        counts: torch.Tensor,
+        layout: AttentionLayout,
+        dtype: torch.dtype,
+        steps: int,
+    ) -> torch.Tensor | None:
+        """`argmax_chain`'s compiled block of `steps` tokens (one of `expected_chains`); None where
+        the call makes none or its functions are full (the caller feeds the tokens one by one)."""
+        key = ("chain", token.shape[0], steps, cache.layers[0].max_cache_len)
+        function = self.store.functions.get(key)
+        if function is None:
+            if self.make_chain is None or not self._room(model):
+                return None
+            function = self.store.functions[key] = self.make_chain()
+        return function(model, cache, token, positions, visible, counts, layout, dtype, steps)
+
     def head_for(self, output_hidden: bool) -> PassHead | None:
         """The head a pass applies to the hidden states it returns (`head`), if it returns them."""
         return self.head() if output_hidden and self.head is not None else None
 
     def _new_function(
-        self, key: tuple[int, ...], model: PreTrainedModel, output_hidden: bool
+        self, key: tuple[object, ...], model: PreTrainedModel, output_hidden: bool
     ) -> PassFunction:
         """A compiled function for a key not met yet; past the store's `limit` the eager pass (said
         once). Before the first that returns hidden states, the model returns them once eagerly
         (`collect_hidden_states_once`)."""
         store = self.store
-        if len(store.functions) < store.limit:
+        if self._room(model):
             if output_hidden and not store.hidden_ready:
                 collect_hidden_states_once(model)
                 store.hidden_ready = True
             function = store.functions[key] = self.make()
             return function
+        return tree_pass
+
+    def _room(self, model: PreTrainedModel) -> bool:
+        """Whether the store takes another function of `model`; said once when it no longer does."""
+        store = self.store
+        if len(store.functions) < store.limit:
+            return True
         if not store.full:
             logger.warning(
                 "%d compiled passes of %s met: passes of other shapes run eagerly (start a new decoder, "
@@ -158,7 +203,7 @@ class CompiledPass:
                 type(model).__name__,
             )
             store.full = True
-        return tree_pass
+        return False
 
     def __deepcopy__(self, memo: dict[int, object]) -> CompiledPass:
         return self  # shared, as the model is, by the copies of a speculator (one per sequence of a batch)
@@ -450,6 +495,10 @@ class TreeCache:
         for nodes, keys, hidden in sorted(call.expected):
             if start + nodes <= self.capacity:
                 self._dummy_pass(call, nodes, keys, hidden, counts)
+        if rows == 1:  # argmax-chain blocks serve one-row caches (`feed_argmax`)
+            for steps in sorted(call.expected_chains):
+                if start + steps <= self.capacity:
+                    self._chain_pass(torch.zeros(1, dtype=torch.long, device=self.device), start, steps)
 
     def _dummy_pass(
         self, run: Callable[..., object], nodes: int, keys: int, hidden: bool, counts: torch.Tensor
@@ -538,6 +587,50 @@ class TreeCache:
         out = self.feed((tokens * on)[:, None], positions, visible)
         self.commit([[0] if a else [] for a in active])
         return out.logits[:, 0]
+
+    def feed_argmax(self, token: torch.Tensor, feeds: int) -> torch.Tensor:
+        """Feed `token` [B] (on the device), then `feeds` - 1 times the argmax of the logits after
+        the token fed last, every row, each committed; the `feeds` argmax tokens, [B, feeds] (the
+        last one not fed): a greedy chain's drafting after its first token. A one-row compiled
+        cache feeds them in the compiled blocks its call expects (`CHAIN_BLOCKS`, largest first;
+        speculator/argmax_chain.py), the rest one `feed_column` each."""
+        chosen = torch.empty(self.rows, feeds, dtype=torch.long, device=self.device)
+        done = 0
+        while done < feeds:
+            block = self._chain_block(feeds - done)
+            tokens = None if not block else self._chain_pass(token, self.width, block)
+            if tokens is None:
+                block, tokens = 1, self.feed_column(token, [True] * self.rows).float().argmax(-1)[:, None]
+            else:
+                self.lengths = [length + block for length in self.lengths]
+            chosen[:, done : done + block] = tokens
+            token = chosen[:, done + block - 1]
+            done += block
+        return chosen
+
+    def _chain_block(self, feeds: int) -> int:
+        """The largest argmax-chain block of at most `feeds` tokens this cache can feed now (0: none):
+        a compiled one-row cache with no pending nodes and room for the block, whose call compiled
+        the block at this capacity when the cache warmed (`_run_expected`): none compiles here."""
+        call = self.compiled
+        if call is None or self.physical_rows != 1 or self.rows != 1 or self.pending:
+            return 0
+        most = min(feeds, self.capacity - self.width)
+        made = call.store.functions
+        blocks = (b for b in call.expected_chains if b <= most and ("chain", 1, b, self.capacity) in made)
+        return max(blocks, default=0)
+
+    def _chain_pass(self, token: torch.Tensor, start: int, steps: int) -> torch.Tensor | None:
+        """The compiled block of `steps` argmax tokens after `token` [1], fed from position `start`
+        (the row's length); None if the call makes none. Inputs like a real pass's: distinct,
+        contiguous tensors (the graphs guard on both)."""
+        assert self.compiled is not None
+        counts = torch.tensor([start, start, start], device=self.device)
+        positions = torch.tensor([[start]], device=self.device)
+        visible = torch.ones(1, 1, 1, dtype=torch.bool, device=self.device)
+        return self.compiled.chain(
+            self.model, self.cache, token.clone(), positions, visible, counts, self.layout, self.dtype, steps
+        )
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
         """Row b appends the pending nodes `keep[b]` (indices in feeding order), in that order;

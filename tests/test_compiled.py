@@ -23,7 +23,7 @@ from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.chain_router import ChainRouter
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.kv_cache import PassShape
+from specboost.speculator.kv_cache import CompiledPass, PassShape
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
@@ -32,17 +32,16 @@ from specboost.speculator.shapes import BeamShape
 PROMPTS = [[3, 17, 42, 8, 8, 51, 23], [12, 5, 60]]
 
 
-def compiled_decoder(ssms: int = 1, **options: object) -> SpeculativeDecoder:
+def compiled_decoder(ssms: int = 1, length: int = 3, **options: object) -> SpeculativeDecoder:
     llm = tiny_llama(layers=2, seed=0).float()
     pool = [noisy_copy(llm, 0.1, seed=1 + i) for i in range(ssms)]
-    return SpeculativeDecoder(llm, pool, shape=ChainShape(3), compile=True, **options)
+    return SpeculativeDecoder(llm, pool, shape=ChainShape(length), compile=True, **options)
 
 
-@pytest.mark.parametrize(
-    "pool", [dict(), dict(ssms=3), dict(ssms=3, strategy="majority")], ids=["chain", "pool", "majority"]
-)
+@pytest.mark.parametrize("pool", [dict(ssms=3), dict(ssms=3, strategy="majority")], ids=["pool", "majority"])
 def test_compiled_decoding_equals_generate(pool: dict) -> None:
-    """One SSM, and a stacked pool of 3 (its rows are not padded: blocks of one row per SSM)."""
+    """A stacked pool of 3 (its rows are not padded: blocks of one row per SSM); one SSM's chain:
+    `test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block`."""
     dec = compiled_decoder(**pool)
     llm = dec.llm
     assert dec.calls.enabled and dec.calls.get(llm) is not None
@@ -50,6 +49,27 @@ def test_compiled_decoding_equals_generate(pool: dict) -> None:
         ids = torch.tensor([prompt])
         expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
         assert torch.equal(dec.generate(ids, max_new_tokens=12).sequences, expected)
+
+
+def test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compiled chain of 4 tokens drafts the 3 after its first in one compiled argmax-chain block
+    (speculator/argmax_chain.py), which the warm-up compiled: the generations compile nothing new
+    and equal `llm.generate`'s."""
+    blocks: list[int | None] = []
+    chain = CompiledPass.chain
+
+    def counted(self: CompiledPass, *args: object) -> torch.Tensor | None:
+        out = chain(self, *args)
+        blocks.append(None if out is None else args[-1])
+        return out
+
+    monkeypatch.setattr(CompiledPass, "chain", counted)
+    dec = compiled_decoder(length=4)
+    assert dec.calls.get(dec.ssms[0]).expected_chains == {3}
+    generate_after_warmup(dec)
+    assert blocks and set(blocks) == {3}
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape, kv_cache
+from specboost.speculator.argmax_chain import argmax_chain
+from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.kv_cache import (
     CAPACITY_STEP,
     CompiledFunctions,
@@ -343,6 +345,66 @@ def test_a_compiled_pass_runs_its_expected_shapes_once_per_rows_and_capacity() -
     assert shapes == [(2, 3, False), (4, 4, True), (2, 2, False), (2, 2, False)]
     for logits in outputs[1:]:
         torch.testing.assert_close(logits, outputs[0])
+
+
+@pytest.mark.parametrize("feeds", [1, 3, 6, 10])
+def test_an_argmax_chain_fed_in_blocks_is_the_chain_fed_token_by_token(feeds: int) -> None:
+    """`TreeCache.feed_argmax` on a one-row compiled cache feeds its call's expected argmax-chain
+    blocks, made when the cache warmed (largest first: 10 = 7 + 3, 6 = 3 + 3, 3 = 3, 1 = one pass),
+    the rest one `feed_column` each; the tokens, the row's length and what the cache then gives
+    equal those of a cache fed token by token (the "compiled" functions are the eager ones)."""
+    llm = llm_for("llama")
+    blocks: list[int] = []
+
+    def spy(*args: object) -> torch.Tensor:
+        blocks.append(args[-1])
+        return argmax_chain(*args)
+
+    call = CompiledPass(lambda: tree_pass, make_chain=lambda: spy)
+    call.expected_chains = {3, 7}
+    fused, plain = TreeCache(llm, 1, CAPACITY_STEP, call), TreeCache(llm, 1, CAPACITY_STEP)
+    for cache in (fused, plain):
+        cache.feed_chains([[3, 4, 5, 6]], eager=True)
+    fused.warm_for(64)  # compiles (here: makes) the blocks, each once
+    assert sorted(blocks) == [3, 7]
+    blocks.clear()
+    first = torch.tensor([9])
+    chosen = fused.feed_argmax(first, feeds)
+    token, expected = first, []
+    for _ in range(feeds):
+        token = plain.feed_column(token, [True]).float().argmax(-1)
+        expected.append(int(token))
+    assert chosen.tolist() == [expected]
+    assert blocks == {1: [], 3: [3], 6: [3, 3], 10: [7, 3]}[feeds]
+    assert fused.lengths == plain.lengths == [4 + feeds]
+    after = [cache.feed_column(chosen[:, -1], [True]) for cache in (fused, plain)]
+    torch.testing.assert_close(after[0], after[1])
+
+
+def test_a_drafter_drafts_its_chains_in_blocks_only_where_every_row_drafts_them_whole() -> None:
+    """One SSM's greedy chains (`draft_greedy`): in blocks for a one-row cache, one pass a token for
+    a batch (rows of other lengths: each row's own K/V place), the same chains either way."""
+    ssm = ssm_for("llama")
+    calls = []
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args[-1])
+        return argmax_chain(*args)
+
+    call = CompiledPass(lambda: tree_pass, make_chain=lambda: spy)
+    call.expected_chains = {3}
+    texts = [[3, 4, 5, 6, 7], [8, 9]]
+    chains = {}
+    for compiled in (call, None):
+        for rows in ([0], [0, 1]):
+            drafter = BatchedChainDrafter(ssm, compiled)
+            drafter.add_sequences(len(rows))
+            drafter.cache.warm_for(64)
+            tokens, _ = drafter.draft_greedy([texts[r] for r in rows], [5] * len(rows))
+            chains[compiled is not None, len(rows)] = tokens.tolist()
+    assert calls == [3, 3]  # the warm-up's block, then the one-row chain's (1 + 3 + 1 tokens)
+    assert chains[True, 1] == chains[False, 1] == chains[False, 2][:1]
+    assert chains[True, 2] == chains[False, 2]
 
 
 def test_a_pass_whose_padding_alone_would_not_fit_runs_eagerly() -> None:
