@@ -623,13 +623,16 @@ class TreeCache:
     def _chain_pass(self, token: torch.Tensor, start: int, steps: int) -> torch.Tensor | None:
         """The compiled block of `steps` argmax tokens after `token` [1], fed from position `start`
         (the row's length); None if the call makes none. Inputs like a real pass's: distinct,
-        contiguous tensors (the graphs guard on both)."""
+        contiguous tensors (the graphs guard on both). `token` is copied to strides of its own: a
+        chain's column keeps the chain's width as its stride (even `clone` keeps it), and a graph
+        compiled for one width recompiled for every other the router drafted."""
         assert self.compiled is not None
         counts = torch.tensor([start, start, start], device=self.device)
         positions = torch.tensor([[start]], device=self.device)
         visible = torch.ones(1, 1, 1, dtype=torch.bool, device=self.device)
+        token = token.clone(memory_format=torch.contiguous_format)
         return self.compiled.chain(
-            self.model, self.cache, token.clone(), positions, visible, counts, self.layout, self.dtype, steps
+            self.model, self.cache, token, positions, visible, counts, self.layout, self.dtype, steps
         )
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:

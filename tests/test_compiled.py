@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
 from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.chain_router import ChainRouter
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import CompiledPass, PassShape
@@ -67,9 +68,20 @@ def test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block(
 
     monkeypatch.setattr(CompiledPass, "chain", counted)
     dec = compiled_decoder(length=4)
-    assert dec.calls.get(dec.ssms[0]).expected_chains == {3}
+    ssm = dec.ssms[0]
+    assert dec.calls.get(ssm).expected_chains == {3}
     generate_after_warmup(dec)
     assert blocks and set(blocks) == {3}
+    # Chains of other widths (the router's) feed the same block: once a drafter's cache warmed,
+    # nothing compiles for them.
+    drafter = BatchedChainDrafter(ssm, dec.calls.get(ssm))
+    drafter.add_sequences(1)
+    with torch.inference_mode():
+        drafter.draft_greedy([PROMPTS[0]], [5])
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for width in (6, 9, 4):
+            drafter.draft_greedy([PROMPTS[0]], [width])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow

@@ -352,11 +352,14 @@ def test_an_argmax_chain_fed_in_blocks_is_the_chain_fed_token_by_token(feeds: in
     """`TreeCache.feed_argmax` on a one-row compiled cache feeds its call's expected argmax-chain
     blocks, made when the cache warmed (largest first: 10 = 7 + 3, 6 = 3 + 3, 3 = 3, 1 = one pass),
     the rest one `feed_column` each; the tokens, the row's length and what the cache then gives
-    equal those of a cache fed token by token (the "compiled" functions are the eager ones)."""
+    equal those of a cache fed token by token (the "compiled" functions are the eager ones). The
+    blocks' tensors have strides of their own, whatever the chain's width (the graphs guard on
+    them: a column of the chain had recompiled its block for every width the router drafted)."""
     llm = llm_for("llama")
     blocks: list[int] = []
 
     def spy(*args: object) -> torch.Tensor:
+        assert all(a.stride() == torch.empty(a.shape).stride() for a in args[2:6])  # guarded on
         blocks.append(args[-1])
         return argmax_chain(*args)
 
@@ -368,7 +371,7 @@ def test_an_argmax_chain_fed_in_blocks_is_the_chain_fed_token_by_token(feeds: in
     fused.warm_for(64)  # compiles (here: makes) the blocks, each once
     assert sorted(blocks) == [3, 7]
     blocks.clear()
-    first = torch.tensor([9])
+    first = torch.tensor([[9, 0, 0]])[:, 0]  # a chain's column: stride 3 (the chain's width)
     chosen = fused.feed_argmax(first, feeds)
     token, expected = first, []
     for _ in range(feeds):
