@@ -29,6 +29,7 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     assert [s.name for s in steps] == [
         "reference-llm",
         "distill-tinystories_train_openings+self_instruct_seed+eagle_qa+gsm8k",
+        "trunk",
         "boost",
         "distill-gutenberg_openings+eagle_alpaca+eagle_gsm8k",
         "predictor-data",
@@ -52,12 +53,14 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     assert str(tmp_path / "reference-llm" / "small") in reference.argv  # shared with make reference-llm
     cache = tmp_path / "bench-fixture" / "small"
     assert all(cache in s.output.parents for s in steps[1:])
-    assert steps[6].argv[-3:] == ("--threads", "2", "--compile")  # under the suite's threads, both loops
+    profile = next(s for s in steps if s.name == "profile")
+    assert profile.argv[-3:] == ("--threads", "2", "--compile")  # under the suite's threads, both loops
     rebuilt = fixture_steps("small", tmp_path, threads=2, build_threads=3)
     for before, after in zip(steps, rebuilt, strict=True):
         assert before.argv == after.argv  # training threads change speed only: same identity
         trained = (
             "reference-llm",
+            "trunk",
             "boost",
             "predictor-data",
             "sequoia-acceptance",
@@ -355,8 +358,8 @@ def test_steps_after_boost_use_the_ssms_the_boost_run_produced(tmp_path: Path) -
     """Boost-tuning stops early when every training sample is reproduced: the later steps must
     name only the SSMs that exist (a build once failed on a missing ssm-2)."""
     pool = tmp_path / "bench-fixture" / "small" / "pool"
-    planned = fixture_steps("small", tmp_path, threads=1)
-    assert sum(a.endswith("ssm-2") for a in planned[4].argv) == 1  # before the run: as planned
+    planned = {s.name: s for s in fixture_steps("small", tmp_path, threads=1)}
+    assert sum(a.endswith("ssm-2") for a in planned["predictor-data"].argv) == 1  # before the run: as planned
     pool.mkdir(parents=True)
     (pool / "boost_record.json").write_text(json.dumps({"rounds": [{"ssm": 0}, {"ssm": 1}]}))
     steps = {s.name: s for s in fixture_steps("small", tmp_path, threads=1)}
@@ -367,7 +370,8 @@ def test_steps_after_boost_use_the_ssms_the_boost_run_produced(tmp_path: Path) -
 
 # What every step of the `small` fixture runs: a step whose command differs is rebuilt, so these
 # must not change without a reason to rebuild (the mix of domains, specialists and the generalist
-# changed every step after the reference LLM).
+# changed every step after the reference LLM; the trunk, 2026-12-01, changed the boost run and all
+# after it).
 SMALL = "artifacts/bench-fixture/small"
 LLM = "artifacts/reference-llm/small/model"
 SSMS = [f"{SMALL}/pool/ssm-{i}" for i in range(3)]
@@ -388,9 +392,14 @@ RECORDED_ARGV = {
         *("specboost.training.distill", "--llm", LLM, "--prompts", POOL_PROMPTS),
         *("--out", f"{SMALL}/distill/{POOL_DATA}", *DISTILL_FLAGS),
     ],
+    "trunk": [
+        *("specboost.training.boost", "--distilled", f"{SMALL}/distill/{POOL_DATA}"),
+        *("--llm", LLM, "--out", f"{SMALL}/trunk", "--num-ssms", "1", "--max-steps", "600"),
+    ],
     "boost": [
         *("specboost.training.boost", "--distilled", f"{SMALL}/distill/{POOL_DATA}"),
-        *("--llm", LLM, "--out", f"{SMALL}/pool", "--num-ssms", "3", "--max-steps", "400"),
+        *("--llm", LLM, "--out", f"{SMALL}/pool", "--num-ssms", "3", "--max-steps", "200"),
+        *("--ssm-base", f"{SMALL}/trunk/ssm-0"),
         *("--boost-mode", "specialists", "--em-rounds", "4", "--em-span", "8"),
     ],
     f"distill-{PREDICTOR_DATA}": [
