@@ -95,8 +95,8 @@ class ModelCalls:
             return None
         if id(model) not in self._calls:
             make = functools.partial(compiled_tree_pass, model.device)
-            # Argmax chains in compiled blocks on the CPU, where they were measured
-            # (speculator/argmax_chain.py); on CUDA each token is a CUDA graph replay of its own.
+            # Argmax chains in compiled blocks on the CPU only, where they were measured
+            # (speculator/argmax_chain.py); on CUDA they are not measured yet.
             cpu = model.device.type == "cpu"
             chain = functools.partial(compiled_argmax_chain, model.device) if cpu else None
             self._calls[id(model)] = CompiledPass(make, store=shared_functions(model), make_chain=chain)
@@ -104,9 +104,10 @@ class ModelCalls:
 
     def expect_chains(self, model: PreTrainedModel, longest: int) -> None:
         """Register the argmax-chain blocks `model`'s greedy chains of up to `longest` tokens feed
-        (`chain_blocks`): one-row caches compile them where they first meet a capacity."""
+        (`chain_blocks`): one-row caches compile them where they first meet a capacity. Nothing
+        where the call makes no blocks (on CUDA), so that no warm-up asks for them."""
         call = self.get(model)
-        if call is not None:
+        if call is not None and call.make_chain is not None:
             call.expected_chains.update(chain_blocks(longest))
 
     def expect_passes(self, llm: PreTrainedModel, speculator: Speculator) -> None:
