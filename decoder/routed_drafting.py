@@ -87,8 +87,8 @@ class RoutedDrafting:
     def wants_hidden(self) -> bool:
         """Whether this step's verification must return the hidden states: only while the gate is on,
         and not before the plain steps `DecisionPacing` spaces out (those read no state). The first
-        step after the gate turns on then has no state to route on, and the router takes a plain step
-        (`ChainRouter.predict`): computing the states at every window's end had cost 10% of an off
+        step after the gate turns on then has no state to route on, and is a plain step that decides
+        nothing (`_switched_on`): computing the states at every window's end had cost 10% of an off
         stretch's time (a pass with another graph, and on the CPU its own frozen copy of the weights,
         once every 16 steps). The steps that draft a held decision read no state either, but their
         passes return it: a chain's pass without it is another graph per chain length, (rows,
@@ -117,6 +117,8 @@ class RoutedDrafting:
                 record.decided("off", 0.0)
             return self._plain_step(rows, greedy)
         hidden = [row.hidden for row in rows]
+        if gate is not None and all(state is None for state in hidden):
+            return self._switched_on(rows, greedy)
         behind = functools.partial(self.chains.behind, texts)
         plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind, not greedy)
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
@@ -135,6 +137,19 @@ class RoutedDrafting:
             drafted = self.chains.draft_trees(texts, plan, [row.probs for row in rows], sample, coupled)
         self._drafting = time.perf_counter() - start
         return drafted
+
+    def _switched_on(self, rows: list[SequenceState], greedy: bool) -> list[TokenTree] | ChainDraft:
+        """The gate turned the router on after plain steps, which compute no hidden state: a plain
+        step that decides nothing, its pass returning the states, so that the next step decides on
+        them. Deciding here, on no state, had been a plain decision, which `DecisionPacing` spaced
+        out by 1 to MAX_SKIP steps more (doubling on the plain decision the router had taken before
+        the gate turned it off), their passes returning no state either: a trial of the router
+        started with up to 9 plain steps, charged to the router (ALGORITHMS.md 5.4)."""
+        self._plan = None
+        self.pacing.restart()
+        for record in self.records:
+            record.decided("plain", 0.0)
+        return self._plain_step(rows, greedy)
 
     def _plain_step(self, rows: list[SequenceState], greedy: bool) -> list[TokenTree] | ChainDraft:
         """Every row's root alone: chains of no token on the device for greedy rows (the verifier's

@@ -43,6 +43,12 @@ the router took about 5 steps a call, and the gate measured 13 of its 59 steps, 
 step and 713 tokens/s, while its calls ran 1108 tokens/s at 9.8 tokens a step (our plain loop:
 838); its plain windows, timed without the loop's own work, read 1300 tokens/s. On quick-r30 the
 gate so kept the router off on 90% of the greedy batch-1 steps (0.95x the fastest fixed row).
+After a switch the first window / SETTLE_SHARE tokens per row are not measured: each regime's
+first steps after the other's pay for the switch (the router's SSMs catch up on the plain stretch,
+and each model's weights come back into the CPU's caches: on the quick fixture the router's first
+window after plain ones ran 8-13% below its next three), so a trial judged on its first window
+judged the switch, not the regime, and lost where the two were near; what those steps cost still
+counts in a lost trial's loss.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
 (greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
@@ -55,6 +61,7 @@ from dataclasses import dataclass
 
 WINDOW_TOKENS = 32  # tokens per row in a measured window at batch 1; WINDOW_TOKENS // rows in batches
 MIN_WINDOW_TOKENS = 8
+SETTLE_SHARE = 4  # after a switch, window / SETTLE_SHARE tokens per row settle before a window is measured
 MOMENTUM = 0.75  # per window of a regime, of its older windows' evidence
 IDLE_DECAY = 0.9  # per window of the other regime, of an idle regime's evidence
 EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
@@ -98,6 +105,7 @@ class SpeculationGate:
         price_off: Callable[[], float] | None = None,
     ) -> None:
         self.window = max(MIN_WINDOW_TOKENS, WINDOW_TOKENS // rows)  # a batch's steps take longer
+        self.settle = self.window // SETTLE_SHARE  # tokens per row after a switch, not measured
         self.price_off = price_off  # read once, after the first window, if that was on's
         self.on = True if like is None else like.on  # another batch size's gate: start in its regime
         self.measured = {True: Throughput(), False: Throughput()}
@@ -108,12 +116,24 @@ class SpeculationGate:
         self.steps = {True: 0, False: 0}  # steps taken in each regime
         self.lost = 0.0  # seconds the trials that lost cost, summed
         self._window = [0.0, 0.0]  # tokens, seconds of the window in progress
+        self._switch = [0.0, 0.0]  # tokens, seconds of the settling since the last switch
+        self._settling = 0.0  # tokens per row still to settle
+        self.windows = 0  # windows measured
 
     def step(self, tokens: float, seconds: float) -> None:
         """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
         row: as a batch's rows finish, a compiled pass keeps its padded rows and its time, and the
-        tokens of the rows still running would otherwise make the regime running look slower)."""
+        tokens of the rows still running would otherwise make the regime running look slower).
+        The steps of the first `settle` tokens after a switch are the switch's, not the regime's:
+        the router's first steps after plain ones catch its SSMs up and find their weights out of
+        the CPU's caches, as plain steps after drafting find the LLM's; they count in what a lost
+        trial cost, not in the regime's rate."""
         self.steps[self.on] += 1
+        if self._settling > 0:
+            self._settling -= tokens
+            self._switch[0] += tokens
+            self._switch[1] += seconds
+            return
         window = self._window
         window[0] += tokens
         window[1] += seconds
@@ -123,14 +143,20 @@ class SpeculationGate:
             throughput.decay(MOMENTUM if regime == self.on else IDLE_DECAY)
         self.measured[self.on].add(window[0], window[1])
         self._window = [0.0, 0.0]
-        self._choose(window[0], window[1])
+        self.windows += 1
+        switch, self._switch = self._switch, [0.0, 0.0]
+        running = self.on
+        self._choose(window[0] + switch[0], window[1] + switch[1])
+        if self.on != running:
+            self._settling = self.settle
 
     def _choose(self, tokens: float, seconds: float) -> None:
-        """After a window of `tokens` in `seconds`: run the better regime. A switch is a trial of
-        the other regime; a trial that lost cost what the better regime would have saved on its
-        tokens, and that cost, over the exploring share, is owed in seconds of the better regime
-        before the other's next trial. The share is EXPLORE_SHARE
-        over the trials lost in a row (at most MAX_STREAK of them)."""
+        """After a window (with the settling before it, if the regime was just switched to) of
+        `tokens` in `seconds`: run the better regime. A switch is a trial of the other regime; a
+        trial that lost cost what the better regime would have saved on its tokens, and that cost,
+        over the exploring share, is owed in seconds of the better regime before the other's next
+        trial. The share is EXPLORE_SHARE over the trials lost in a row (at most MAX_STREAK of
+        them)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
         if rates[other] is None and self.on and self.price_off is not None and rates[True]:
