@@ -162,17 +162,20 @@ class RoutedDrafting:
         return self._plan.lengths[row] if self._plan is not None else 0
 
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
-        if self._gate is not None:
-            now, setups = time.perf_counter(), setup_count()
-            if setups == self._span[1]:  # not warming or setting up
-                emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-                self._gate.step(emitted / len(accepted), now - self._span[0])
-            self._span = (now, setups)  # the next step's time runs from here: the loop's work is its too
+        """The step's whole time (from the end of the step before: the loop's work is its too; not
+        timed where the decoder set itself up) goes to the gate and to the router's costs (5.2,
+        "The whole step"; 5.4)."""
+        now, setups = time.perf_counter(), setup_count()
+        step = now - self._span[0] if setups == self._span[1] else None
+        self._span = (now, setups)
+        if self._gate is not None and step is not None:
+            emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
+            self._gate.step(emitted / len(accepted), step)
         if self._plan is None:
             return
         start = time.perf_counter()
         matched = [len(nodes) for nodes in accepted]
-        self.router.observe(self._plan, matched, verify_seconds, self._drafting)
+        self.router.observe(self._plan, matched, verify_seconds, self._drafting, step)
         self.pacing.observe(self._plan, matched)
         seconds = time.perf_counter() - start
         for record in self.records:

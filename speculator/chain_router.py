@@ -42,12 +42,13 @@ import torch
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import COMPILED_MAX_CHAIN, setup_count
 from specboost.speculator.predictor import MatchLengthPredictor, PassHead, apply_head
-from specboost.speculator.scheduler import CostCorrection, Draft, OnlineCalibration
+from specboost.speculator.scheduler import COST_RANGE, IDLE_DECAY, CostCorrection, Draft, OnlineCalibration
 
 NO_SSM = -1
 MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
 MAX_HOLD = 4  # steps drafting a held action without deciding, at most, after it was chosen again
 STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch length's evidence
+OVERHEAD_MOMENTUM = 0.9  # per measured drafting step, of the step overhead's older evidence
 
 
 @dataclass
@@ -169,6 +170,7 @@ class ChainRouter:
             )
         )
         self.stretches = Stretches(self.num_ssms)
+        self.overhead = StepOverhead()
         self._idle = 0  # plain steps whose ageing of the evidence is still to apply (`_age`)
         self._setups = setup_count()
         plain = max(float(self.cost_model.chain_verify_time(1, np.array([1]))[0]), 1e-9)
@@ -330,7 +332,7 @@ class ChainRouter:
             return self._choose_one(f[0].tolist(), raw[0].tolist(), cap.tolist(), late, sampled)
         verify, draft, catch_up = self._costs(rows, sampled)
         v, g, v_plain = self.cost_factors
-        verify_s = verify * v
+        verify_s = verify * v + self.overhead.seconds  # a drafting step's whole time but its drafting
         verify_s[0] = verify[0] * v_plain
         late = np.zeros((rows, self.num_ssms), bool)
         if behind is not None:
@@ -372,10 +374,10 @@ class ChainRouter:
         verify, draft, catch_up = self._costs_one(sampled)
         v, g, v_plain = self.cost_factors
         late = [behind is not None and behind[i] > COMPILED_MAX_CHAIN for i in range(self.num_ssms)]
-        mean = self.stretches.mean
+        mean, overhead = self.stretches.mean, self.overhead.seconds
         best, choice = 1 / (verify[0] * v_plain), None
         for i, (estimates, seconds) in enumerate(zip(f, draft, strict=True)):
-            extra = g * catch_up[i] / mean if late[i] else 0.0
+            extra = (g * catch_up[i] / mean if late[i] else 0.0) + overhead
             for d, (match, drafting) in enumerate(zip(estimates, seconds, strict=True)):
                 score = (1 + match) / (verify[1 + d] * v + g * drafting + extra)
                 if score > best:
@@ -435,19 +437,28 @@ class ChainRouter:
         return ssm, int(d)
 
     def observe(
-        self, plan: ChainPlan, accepted: list[int], verify_seconds: float, drafting_seconds: float
+        self,
+        plan: ChainPlan,
+        accepted: list[int],
+        verify_seconds: float,
+        drafting_seconds: float,
+        step_seconds: float | None = None,
     ) -> None:
         """Correct the estimates with each drafting row's accepted tokens (5.1) and the costs with
-        the step's measured seconds (5.2). A step that drafted nothing only corrects plain steps'
-        cost; what it ages (the estimates, the drafting steps' costs: so that drafting is tried
-        again) is aged at the next decision, all such steps at once (`_age`): declining costs a
-        few float operations per step, as plain decoding costs nothing to decide."""
+        the step's measured seconds (5.2). `step_seconds`, where the caller times the whole step
+        (from the end of the step before, the loop's own work included): a plain step's cost is
+        that, a drafting step's overhead is what it took beyond its verification and drafting
+        (`StepOverhead`). A step that drafted nothing only corrects plain steps' cost; what it
+        ages (the estimates, the drafting steps' costs: so that drafting is tried again) is aged
+        at the next decision, all such steps at once (`_age`): declining costs a few float
+        operations per step, as plain decoding costs nothing to decide."""
         measured = setup_count() == self._setups  # else it compiled or warmed: its seconds say nothing
         drafting = [b for b, length in enumerate(plan.lengths) if length]
         if not drafting:
             self._idle += 1
             if self.plain_costs is not None and measured:
-                self.plain_costs.update((verify_seconds, 0.0), plan.profiled)
+                whole = verify_seconds if step_seconds is None else step_seconds
+                self.plain_costs.update((whole, 0.0), plan.profiled)
             return
         self._age()
         if self.calibration is not None:
@@ -460,6 +471,9 @@ class ChainRouter:
         self.stretches.observe({plan.ssm[b] for b in drafting})
         if self.costs is not None and measured:
             self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
+            if step_seconds is not None:
+                remainder = step_seconds - verify_seconds - drafting_seconds
+                self.overhead.observe(remainder, sum(plan.profiled))
 
     def _age(self) -> None:
         """Apply the ageing of the plain steps since the last one applied: the estimates' and the
@@ -471,6 +485,7 @@ class ChainRouter:
             self.calibration.idle(self._idle)
         if self.costs is not None:
             self.costs.idle((0, 1), self._idle)
+        self.overhead.idle(self._idle)
         self.stretches.observe(())
         self._idle = 0
 
@@ -499,6 +514,36 @@ class Stretches:
                 self.total = STRETCH_MOMENTUM * self.total + steps
                 self.count = STRETCH_MOMENTUM * self.count + 1
                 self.running[i] = 0
+
+
+class StepOverhead:
+    """What a drafting step costs beyond its LLM pass and its drafting, in seconds (ALGORITHMS.md
+    5.2, "The whole step"): decayed sums (OVERHEAD_MOMENTUM) of the measured remainders, each at
+    most COST_RANGE's upper bound times the step's profiled seconds, over their number plus one
+    pseudo-step at 0 that never decays; while the router declines the sums fade (IDLE_DECAY per
+    step, `idle`) and the overhead with them, as the drafting costs drift back to the profile's
+    (5.2), so that drafting is tried again. Unbounded and never fading, one step that paid for
+    something else (the oracle's lookahead generation, 0.3 s against 3 ms steps) had priced every
+    drafting action out for the rest of the run. The rule adds it to every drafting action's
+    seconds: a cost per step favours fewer, longer steps, and the profile, which times the passes
+    alone, does not show it."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0.0  # decayed sums of the remainders and of their number
+
+    @property
+    def seconds(self) -> float:
+        return self.total / (self.count + 1)
+
+    def observe(self, seconds: float, profiled: float) -> None:
+        """One drafting step's remainder, clipped to [0, COST_RANGE[1] x its `profiled` seconds]."""
+        self.total = OVERHEAD_MOMENTUM * self.total + min(max(seconds, 0.0), COST_RANGE[1] * profiled)
+        self.count = OVERHEAD_MOMENTUM * self.count + 1
+
+    def idle(self, steps: int) -> None:
+        """`steps` steps drafted nothing: the evidence fades towards the prior (no overhead)."""
+        self.total *= IDLE_DECAY**steps
+        self.count *= IDLE_DECAY**steps
 
 
 class DecisionPacing:

@@ -229,6 +229,12 @@ class _Setup:
     events = 0
 
 
+def note_setup() -> None:
+    """Work that sets a decoder up ran during a step (a hindsight oracle's lookahead generation):
+    `setup_count` moves, and the step's seconds are not taken for decoding's."""
+    _Setup.events += 1
+
+
 def setup_count() -> int:
     """Graphs torch.compile has compiled (torch._dynamo's own counter), warm-up passes run and
     caches grown so far in this process: a step during which it moved measured setting up, not

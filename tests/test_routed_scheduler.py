@@ -74,14 +74,15 @@ costs = st.floats(1e-4, 1e-2)
     verify=st.lists(costs, min_size=3, max_size=3),
     draft=st.lists(costs, min_size=4, max_size=4),
     factors=st.lists(st.floats(0.5, 2.0), min_size=3, max_size=3),
+    overhead=st.sampled_from([0.0, 5e-4, 5e-3]),
 )
-@example(f=[0.0] * 4, verify=[1e-3, 1.1e-3, 1.2e-3], draft=[1e-4] * 4, factors=[1.0, 1.0, 2.0])
-def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, draft, factors) -> None:
+@example(f=[0.0] * 4, verify=[1e-3, 1.1e-3, 1.2e-3], draft=[1e-4] * 4, factors=[1.0, 1.0, 2.0], overhead=0.0)
+def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, draft, factors, overhead):
     """At batch 1 the rule is the argmax over plain and every (SSM, length) of expected tokens per
     second (brute force over the 5 actions); its plain-Python form chooses what the batch rule's
     numpy form chooses at B = 1, under any corrections of the verify and the drafting costs and of
-    plain steps' own verify (the K = 0 pass once declined, where plain steps' factor was higher, a
-    draft of no expected gain that the one-row rule takes)."""
+    plain steps' own verify, and any overhead per drafting step (the K = 0 pass once declined,
+    where plain steps' factor was higher, a draft of no expected gain that the one-row rule takes)."""
     router = ChainRouter(
         constant_predictor([[[0.0, 0.0]] * 2] * 2),
         chain_costs([sorted(verify), sorted(verify)], [[draft[:2], draft[:2]], [draft[2:], draft[2:]]]),
@@ -94,9 +95,10 @@ def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, dra
     assert plan_objective(router, f) == pytest.approx(best)
     v, g, v_plain = factors
     router.costs.factors, router.plain_costs.factors = (v, g), (v_plain, 1.0)
+    router.overhead.total, router.overhead.count = overhead, 0.0  # seconds = overhead: total over the prior
     verify_s, draft_s, _ = router._costs(1)
     one = router._choose_one(f[0].tolist(), f[0].tolist(), [100.0], None, False)  # plain Python
-    verify_s = np.concatenate([[v_plain * verify_s[0]], v * verify_s[1:]])
+    verify_s = np.concatenate([[v_plain * verify_s[0]], v * verify_s[1:] + overhead])
     batch = router._route(f, verify_s, g * draft_s, np.zeros((1, 2)))  # numpy, any batch size
     assert (one.depth_index < 0) == (batch is None)
     if batch is not None:
@@ -258,6 +260,49 @@ def test_plain_steps_correct_their_own_cost() -> None:
     drafting = router.choose(np.full((1, 1, 2), 4.0), np.full((1, 1, 2), 4.0), np.array([60.0]))
     router.observe(drafting, [4], 2 * drafting.profiled[0], drafting.profiled[1])
     assert router.cost_factors[0] > 1.0 and router.cost_factors[2] == v_plain
+
+
+def test_a_cost_per_step_outside_the_passes_moves_the_choice_to_longer_chains() -> None:
+    """Section 5.2, "The whole step": a step's time beyond its LLM pass and its drafting (host
+    trees, sampling, the loop's work) is paid per step, so it favours fewer, longer steps, and the
+    profile, which times the passes alone, does not show it. Timed by the whole step, plain steps
+    and drafting steps both carry it; without `step_seconds` nothing changes."""
+    overhead = 4e-3
+    predictor = constant_predictor([[[0.9, 1.4]] * 2])
+    router, blind = (ChainRouter(predictor, cost_table(1, VERIFY, SPECULATE), None, 0.9) for _ in range(2))
+    hidden, wanted = [torch.zeros(32)], [1000]
+    assert router.plan(hidden, wanted).action(0) == "SSM 0 x1"  # the passes alone: 1.41 against 1.0 tokens/ms
+    for _ in range(20):
+        for r in (router, blind):
+            plan = r.plan(hidden, wanted)
+            verify, drafting = plan.profiled
+            r.observe(plan, [1], verify, drafting, None if r is blind else verify + drafting + overhead)
+            plain, alone = r.plain(wanted), r.plain(wanted).profiled[0]
+            r.observe(plain, [0], alone, 0.0, None if r is blind else alone + overhead)
+    assert 0.8 * overhead < router.overhead.seconds < overhead and blind.overhead.seconds == 0.0
+    assert router.plan(hidden, wanted).action(0) == "SSM 0 x4"  # 0.375 against 0.355 (x1), 0.25 (plain)
+    assert blind.plan(hidden, wanted).action(0) == "SSM 0 x1"
+
+
+def test_one_step_that_paid_for_something_else_does_not_stop_drafting_for_good() -> None:
+    """A drafting step that also paid for other work (the oracle's lookahead generation: 0.3 s
+    against steps of milliseconds) counts at most 4x its profiled seconds, and while the router
+    declines the overhead fades, so it drafts again: unbounded and never fading, one such step had
+    kept the quick suite's oracle on plain decoding for a whole table (quick-r36)."""
+    router = ChainRouter(constant_predictor([[[0.9, 1.4]] * 2]), cost_table(1, VERIFY, SPECULATE), None, 0.9)
+    hidden, wanted = [torch.zeros(32)], [1000]
+    plan = router.plan(hidden, wanted)
+    verify, drafting = plan.profiled
+    router.observe(plan, [1], verify, drafting, verify + drafting + 0.3)
+    assert router.overhead.seconds <= 4 * (verify + drafting) / 2  # clipped, one pseudo-step of prior
+    actions = []
+    for _ in range(60):
+        plan = router.plan(hidden, wanted)
+        actions.append(plan.action(0))
+        if plan.action(0) != "plain":
+            break
+        router.observe(plan, [0], plan.profiled[0], 0.0, plan.profiled[0])
+    assert actions[0] == "plain" and actions[-1] == "SSM 0 x1"
 
 
 def test_a_plain_step_is_priced_by_the_lower_verify_factor() -> None:
