@@ -127,6 +127,7 @@ class BatchedChainDrafting:
         for (drafter, indices), generators in zip(self.units, self.generators, strict=True):
             old = drafter.sequences
             drafter.add_sequences(len(rows))
+            drafter.expect_sampling([row.probs for row in rows if row.seed is None])
             device = drafter.model.device
             fresh = [[ssm_generator(row.seed, index, device) for row in rows] for index in indices]
             generators[:] = [

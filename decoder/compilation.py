@@ -31,7 +31,7 @@ import torch
 from torch._inductor import list_mode_options
 from transformers import PreTrainedModel
 
-from specboost.speculator.argmax_chain import argmax_chain
+from specboost.speculator.chain_block import chain_block
 from specboost.speculator.kv_cache import (
     CHAIN_BLOCKS,
     COMPILED_MAX_CHAIN,
@@ -95,11 +95,12 @@ class ModelCalls:
             return None
         if id(model) not in self._calls:
             make = functools.partial(compiled_tree_pass, model.device)
-            # Argmax chains in compiled blocks on the CPU only, where they were measured
-            # (speculator/argmax_chain.py); on CUDA they are not measured yet.
-            cpu = model.device.type == "cpu"
-            chain = functools.partial(compiled_argmax_chain, model.device) if cpu else None
-            self._calls[id(model)] = CompiledPass(make, store=shared_functions(model), make_chain=chain)
+            # Chains in compiled blocks, argmax and sampled, on the CPU only, where they were
+            # measured (speculator/chain_block.py); on CUDA they are not measured yet.
+            block = functools.partial(compiled_block, model.device) if model.device.type == "cpu" else None
+            self._calls[id(model)] = CompiledPass(
+                make, store=shared_functions(model), make_chain=block, make_sampled=block
+            )
         return self._calls[id(model)]
 
     def expect_chains(self, model: PreTrainedModel, longest: int) -> None:
@@ -237,10 +238,11 @@ def chain_blocks(longest: int) -> set[int]:
     return {block for block in CHAIN_BLOCKS if block < longest}
 
 
-def compiled_argmax_chain(device: torch.device) -> ChainFunction:
-    """`torch.compile` of a copy of `argmax_chain` of its own, compiled as `compiled_tree_pass` is:
-    `CompiledPass` asks for one per model, block and (rows, capacity)."""
-    return torch.compile(own_code(argmax_chain), fullgraph=False, dynamic=False, **compile_options(device))
+def compiled_block(device: torch.device) -> ChainFunction:
+    """`torch.compile` of a copy of `chain_block` of its own, compiled as `compiled_tree_pass` is:
+    `CompiledPass` asks for one per model, block, (rows, capacity), and argmax or a sampled block's
+    processing (top-k, top-p on)."""
+    return torch.compile(own_code(chain_block), fullgraph=False, dynamic=False, **compile_options(device))
 
 
 def compiled_tree_pass(device: torch.device) -> PassFunction:

@@ -267,6 +267,7 @@ def chain_runs(
         for index, ssm in enumerate(ssms):
             drafter = BatchedChainDrafter(ssm, compiled(ssm))
             drafter.add_sequences(rows)
+            drafter.expect_sampling([probs for probs in kinds if probs is not None])
             drafter.draft_greedy([prefix] * rows, [1] * rows)  # fill the cache: timed runs catch up one token
             for depth, probs in itertools.product(config.depths, kinds):
                 names = (index, rows, tag if probs is None else tag + SAMPLED)

@@ -63,6 +63,7 @@ class RoutedDrafting:
         joining = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
         self._regroup(self.regimes + joining)
         self.pacing.restart()  # decide for the new rows at once
+        self.chains.expect_sampling([row.probs for row in rows if row.rule in SAMPLED_DRAFT_RULES])
         self._warm(rows)
 
     def retain(self, rows: list[SequenceState], keep: list[int]) -> None:

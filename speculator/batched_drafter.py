@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from specboost.speculator.kv_cache import CompiledPass, TreeCache
 from specboost.speculator.model_info import context_length
-from specboost.speculator.sampling import LogitsToProbs, draw
+from specboost.speculator.sampling import ChainWarp, LogitsToProbs, draw
 
 Chain = list[tuple[int, torch.Tensor | None]]  # drafted tokens, each with its q (None when greedy)
 CAPACITY = 256  # the cache's first capacity; it grows when a row needs more
@@ -169,7 +169,8 @@ class BatchedChainDrafter:
             b: _copy(g) for b, g in enumerate(coupled or []) if g is not None and not sample[b]
         }
         qs: list[torch.Tensor] = []
-        for step in range(width):
+        warp = self._block_warp(lengths, probs, pooled, streams)
+        for step in range(1 if warp else width):
             scores = _row_scores(logits, verified, tokens[:, :step], probs)  # [B, V]
             chosen = scores.argmax(-1)
             if any(sample) or streams:
@@ -185,8 +186,12 @@ class BatchedChainDrafter:
                 qs.append(q)
             tokens[:, step] = chosen
             active = [step + 1 < n for n in lengths]  # the last token of a chain is never fed
-            if any(active):
+            if any(active) and not warp:
                 logits = self.cache.feed_column(tokens[:, step], active)
+        if warp:  # the rest in the cache's compiled sampled blocks (`TreeCache.feed_sampled`)
+            uniform = torch.rand(len(verified), width - 1, dtype=torch.float32, device=tokens.device)
+            tokens[:, 1:], rest = self.cache.feed_sampled(tokens[:, 0], warp, uniform)
+            qs += rest.unbind(1)
         host = tokens.tolist()
         for seen, row, n in zip(self.seen, host, lengths, strict=True):
             seen.extend(row[: max(0, n - 1)])
@@ -194,6 +199,31 @@ class BatchedChainDrafter:
             [(host[b][step], qs[step][b] if sample[b] else None) for step in range(n)]
             for b, n in enumerate(lengths)
         ]
+
+    def expect_sampling(self, probs: list[LogitsToProbs]) -> None:
+        """Have the compiled call make the sampled blocks chains sampled under `probs` will draw in
+        (`CompiledPass.expect_draws`), compiled where its caches next warm: call it when such rows
+        join, before they draft."""
+        call = self.cache.compiled
+        if call is not None:
+            for warp in {ChainWarp.of(p) for p in probs} - {None}:
+                call.expect_draws(warp.key)
+
+    def _block_warp(
+        self, lengths: list[int], probs: list[LogitsToProbs], pooled: list[bool], streams: dict
+    ) -> ChainWarp | None:
+        """The `ChainWarp` of a chain whose tokens after its first the cache may draw in compiled
+        sampled blocks (speculator/chain_block.py): a compiled cache that makes them, every row
+        drafting the whole width (2 tokens or more), sampled from torch's global stream (no
+        generator, coupled stream or processor of its own), all under the same warpers; else None
+        (the cache draws the tokens in blocks where its call expects the warp: `expect_sampling`)."""
+        call = self.cache.compiled
+        if call is None or call.make_sampled is None or min(lengths) < 2 or len(set(lengths)) > 1:
+            return None
+        if streams or not all(pooled):
+            return None
+        warps = {ChainWarp.of(p) for p in probs}
+        return warps.pop() if len(warps) == 1 and None not in warps else None
 
     def _catch_up(self, row: int, verified: list[int]) -> list[int]:
         """Drop the cached tokens that are not a prefix of `verified`; return what must be fed

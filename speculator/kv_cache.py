@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from specboost.speculator.attention_layout import AttentionLayout
 from specboost.speculator.model_info import CACHE_ARGUMENT, context_length, keeps_logits
 from specboost.speculator.predictor import PassHead, apply_head
+from specboost.speculator.sampling import ChainWarp, inverse_cdf, warped_probs
 from specboost.speculator.tree_attention import tree_attention_mask
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,13 @@ NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes:
 COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
 COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly
 # Tokens an argmax chain's compiled block feeds in one call (`TreeCache.feed_argmax`,
-# speculator/argmax_chain.py): a chain of 4 takes one block of 3 after its first token, one of 8
+# speculator/chain_block.py): a chain of 4 takes one block of 3 after its first token, one of 8
 # a block of 7, one of 16 two and a pass; each block is a graph of its own per rows and capacity.
 CHAIN_BLOCKS = (3, 7)
+# Sampling settings (`ChainWarp.key`: top-k, top-p on) a call makes sampled blocks for: each is a
+# graph per block size, SSM and capacity, compiled where a cache warms (tens of seconds on a CPU), so
+# requests that vary their top-k do not each compile a set; chains under others draw one pass a token.
+MAX_SAMPLED_WARPS = 2
 
 
 class PassShape(NamedTuple):
@@ -60,7 +65,11 @@ class PassShape(NamedTuple):
 
 
 PassFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # `tree_pass`'s signature
-ChainFunction = Callable[..., torch.Tensor]  # `argmax_chain`'s signature
+# `chain_block`'s signature (with draws, it returns its tokens' q too)
+ChainFunction = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+# A sampled block's draws: `warped_probs`' arguments (temperature, top-p, top-k, nucleus) and the
+# uniform numbers [B, steps] its tokens are drawn at (speculator/chain_block.py)
+Draws = tuple[tuple[torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
 # Compiled functions per model call. On the CPU each graph holds its own frozen copy of the
 # weights, so a call keeps at most FUNCTION_WEIGHT_BYTES of them (and between MIN_FUNCTIONS and
 # MAX_FUNCTIONS functions) and runs the pass keys it meets after that eagerly, with a warning, as
@@ -87,8 +96,8 @@ class CompiledFunctions:
     decoder of a process that compiles the model (`compilation.shared_functions`)."""
 
     limit: int = MIN_FUNCTIONS
-    # Pass keys (rows, nodes, keys, hidden, capacity, head...) and argmax-chain keys ("chain",
-    # rows, tokens, capacity).
+    # Pass keys (rows, nodes, keys, hidden, capacity, head...), argmax-chain keys ("chain", rows,
+    # tokens, capacity) and sampled-chain keys ("sampled", rows, tokens, capacity, top-k, top-p on).
     functions: dict[tuple[object, ...], PassFunction | ChainFunction] = field(default_factory=dict)
     full: bool = False
     hidden_ready: bool = False  # `collect_hidden_states_once` ran on the model
@@ -114,14 +123,18 @@ class CompiledPass:
         make: Callable[[], PassFunction],
         store: CompiledFunctions | None = None,
         make_chain: Callable[[], ChainFunction] | None = None,
+        make_sampled: Callable[[], ChainFunction] | None = None,
     ) -> None:
         self.make = make
         self.store = store or CompiledFunctions()
         self.expected: set[PassShape] = set()
         # The argmax-chain blocks (`CHAIN_BLOCKS` sizes) a decoder expects of a one-row cache, made
-        # by `make_chain` (None: none, every chain token is a pass of its own).
+        # by `make_chain` (None: none, every chain token is a pass of its own); sampled chains' blocks
+        # of the same sizes by `make_sampled`, for every `ChainWarp.key` in `expected_draws`.
         self.make_chain = make_chain
+        self.make_sampled = make_sampled
         self.expected_chains: set[int] = set()
+        self.expected_draws: set[tuple[int, bool]] = set()
         # What a pass that returns hidden states applies to them, asked at each such pass: the
         # routed scheduler's predictor (`ChainRouter.pass_head`), so that its estimates come with
         # the verify pass's logits. Its weights are the pass's inputs, not frozen into the graph: a
@@ -160,16 +173,34 @@ class CompiledPass:
         layout: AttentionLayout,
         dtype: torch.dtype,
         steps: int,
-    ) -> torch.Tensor | None:
-        """`argmax_chain`'s compiled block of `steps` tokens (one of `expected_chains`); None where
-        the call makes none or its functions are full (the caller feeds the tokens one by one)."""
-        key = ("chain", token.shape[0], steps, cache.layers[0].max_cache_len)
+        draws: Draws | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """`chain_block`'s compiled block of `steps` argmax tokens (one of `expected_chains`), or
+        with `draws` sampled ones and their q; None where the call makes none or its
+        functions are full (the caller feeds the tokens one by one)."""
+        warp = None if draws is None else draws[0][2:]
+        key = block_key(token.shape[0], steps, cache.layers[0].max_cache_len, warp)
+        make = self.make_chain if draws is None else self.make_sampled
         function = self.store.functions.get(key)
         if function is None:
-            if self.make_chain is None or not self._room(model):
+            if make is None or not self._room(model):
                 return None
-            function = self.store.functions[key] = self.make_chain()
-        return function(model, cache, token, positions, visible, counts, layout, dtype, steps)
+            function = self.store.functions[key] = make()
+        return function(model, cache, token, positions, visible, counts, layout, dtype, steps, draws)
+
+    def expect_draws(self, warp: tuple[int, bool]) -> None:
+        """Sampled blocks of every expected size for `warp` (a `ChainWarp.key`) from now on. A new
+        one makes the call forget the (rows, capacity) it met, so that every cache warms again where
+        it next feeds or warms (`TreeCache._warm`): what was compiled runs once more, the new blocks
+        compile, there and not in the step where a sampled chain first needs one (a routed drafter
+        drafts at the steps its SSM is chosen, which differ between a warm-up and a timed run). At
+        most MAX_SAMPLED_WARPS warps: chains under others draw one pass a token."""
+        draws = self.expected_draws
+        if self.make_sampled is None or not self.expected_chains or warp in draws:
+            return
+        if len(draws) < MAX_SAMPLED_WARPS:
+            draws.add(warp)
+            self.met.clear()
 
     def head_for(self, output_hidden: bool) -> PassHead | None:
         """The head a pass applies to the hidden states it returns (`head`), if it returns them."""
@@ -207,6 +238,11 @@ class CompiledPass:
 
     def __deepcopy__(self, memo: dict[int, object]) -> CompiledPass:
         return self  # shared, as the model is, by the copies of a speculator (one per sequence of a batch)
+
+
+def block_key(rows: int, steps: int, capacity: int, warp: tuple[int, bool] | None = None) -> tuple:
+    """A chain block's function key: argmax, or sampled under a `ChainWarp.key`."""
+    return ("chain", rows, steps, capacity) if warp is None else ("sampled", rows, steps, capacity, *warp)
 
 
 @torch.no_grad()
@@ -501,10 +537,16 @@ class TreeCache:
         for nodes, keys, hidden in sorted(call.expected):
             if start + nodes <= self.capacity:
                 self._dummy_pass(call, nodes, keys, hidden, counts)
-        if rows == 1:  # argmax-chain blocks serve one-row caches (`feed_argmax`)
+        if rows == 1:  # chain blocks serve one-row caches (`feed_argmax`, `feed_sampled`)
+            token = torch.zeros(1, dtype=torch.long, device=self.device)
             for steps in sorted(call.expected_chains):
                 if start + steps <= self.capacity:
-                    self._chain_pass(torch.zeros(1, dtype=torch.long, device=self.device), start, steps)
+                    self._chain_pass(token, start, steps)
+                    for top_k, nucleus in sorted(call.expected_draws):
+                        warp = ChainWarp(top_k=top_k, top_p=0.5 if nucleus else 1.0).arguments(1, self.device)
+                        self._chain_pass(
+                            token, start, steps, (warp, torch.zeros(1, steps, device=self.device))
+                        )
 
     def _dummy_pass(
         self, run: Callable[..., object], nodes: int, keys: int, hidden: bool, counts: torch.Tensor
@@ -599,46 +641,84 @@ class TreeCache:
         the token fed last, every row, each committed; the `feeds` argmax tokens, [B, feeds] (the
         last one not fed): a greedy chain's drafting after its first token. A one-row compiled
         cache feeds them in the compiled blocks its call expects (`CHAIN_BLOCKS`, largest first;
-        speculator/argmax_chain.py), the rest one `feed_column` each."""
+        speculator/chain_block.py), the rest one `feed_column` each."""
+        return self._feed_drawn(token, feeds)[0]
+
+    def feed_sampled(
+        self, token: torch.Tensor, warp: ChainWarp, uniform: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`feed_argmax` of a sampled chain: each token after `token` drawn from q, the model's
+        probabilities under `warp`, at the caller's uniform numbers `uniform` [B, feeds]
+        (`sampling.inverse_cdf`); the `feeds` drawn tokens [B, feeds] and their q [B, feeds, V].
+        A one-row compiled cache feeds them in the sampled blocks of its call's expected sizes
+        (speculator/chain_block.py) where its call expects this warp (`CompiledPass.expect_draws`:
+        a decoder that never samples compiles none), the rest one pass a token."""
+        return self._feed_drawn(token, uniform.shape[1], warp, uniform)  # type: ignore[return-value]
+
+    def _feed_drawn(
+        self,
+        token: torch.Tensor,
+        feeds: int,
+        warp: ChainWarp | None = None,
+        uniform: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`feed_argmax` (no `warp`) or `feed_sampled`: the tokens, and their q where sampled."""
         chosen = torch.empty(self.rows, feeds, dtype=torch.long, device=self.device)
+        qs: list[torch.Tensor] = []
+        setting = None if warp is None else warp.arguments(self.rows, self.device)
         done = 0
         while done < feeds:
-            block = self._chain_block(feeds - done)
-            tokens = None if not block else self._chain_pass(token, self.width, block)
-            if tokens is None:
-                block, tokens = 1, self.feed_column(token, [True] * self.rows).float().argmax(-1)[:, None]
+            block = self._chain_block(feeds - done, None if warp is None else warp.key)
+            draws = None if setting is None else (setting, uniform[:, done : done + block].contiguous())
+            out = None if not block else self._chain_pass(token, self.width, block, draws)
+            if out is None:
+                block, logits = 1, self.feed_column(token, [True] * self.rows)
+                if setting is None:
+                    out = logits.float().argmax(-1)[:, None]
+                else:
+                    q = warped_probs(logits, *setting)
+                    out = inverse_cdf(q, uniform[:, done : done + 1]), q[:, None]
             else:
                 self.lengths = [length + block for length in self.lengths]
-            chosen[:, done : done + block] = tokens
+            if setting is not None:
+                out, q = out
+                qs.append(q)
+            chosen[:, done : done + block] = out
             token = chosen[:, done + block - 1]
             done += block
-        return chosen
+        return chosen, torch.cat(qs, 1) if qs else None
 
-    def _chain_block(self, feeds: int) -> int:
-        """The largest argmax-chain block of at most `feeds` tokens this cache can feed now (0: none):
-        a compiled one-row cache with no pending nodes and room for the block, whose call compiled
-        the block at this capacity when the cache warmed (`_run_expected`): none compiles here."""
+    def _chain_block(self, feeds: int, warp: tuple[int, bool] | None = None) -> int:
+        """The largest chain block of at most `feeds` tokens (argmax, or sampled under a
+        `ChainWarp.key`) this cache can feed now (0: none): a compiled one-row cache with no pending
+        nodes and room for the block, whose call compiled the block at this capacity when the cache
+        warmed (`_run_expected`): none compiles here."""
         call = self.compiled
         if call is None or self.physical_rows != 1 or self.rows != 1 or self.pending:
             return 0
         most = min(feeds, self.capacity - self.width)
         made = call.store.functions
-        blocks = (b for b in call.expected_chains if b <= most and ("chain", 1, b, self.capacity) in made)
+        blocks = (
+            b for b in call.expected_chains if b <= most and block_key(1, b, self.capacity, warp) in made
+        )
         return max(blocks, default=0)
 
-    def _chain_pass(self, token: torch.Tensor, start: int, steps: int) -> torch.Tensor | None:
-        """The compiled block of `steps` argmax tokens after `token` [1], fed from position `start`
-        (the row's length); None if the call makes none. Inputs like a real pass's: distinct,
-        contiguous tensors (the graphs guard on both). `token` is copied to strides of its own: a
-        chain's column keeps the chain's width as its stride (even `clone` keeps it), and a graph
-        compiled for one width recompiled for every other the router drafted."""
+    def _chain_pass(
+        self, token: torch.Tensor, start: int, steps: int, draws: Draws | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The compiled block of `steps` argmax tokens after `token` [1] (with `draws`: sampled
+        tokens and their q), fed from position `start` (the row's length); None if the call makes
+        none. Inputs like a real pass's: distinct, contiguous tensors (the graphs guard on both).
+        `token` is copied to strides of its own: a chain's column keeps the chain's width as its
+        stride (even `clone` keeps it), and a graph compiled for one width recompiled for every
+        other the router drafted."""
         assert self.compiled is not None
         counts = torch.tensor([start, start, start], device=self.device)
         positions = torch.tensor([[start]], device=self.device)
         visible = torch.ones(1, 1, 1, dtype=torch.bool, device=self.device)
         token = token.clone(memory_format=torch.contiguous_format)
         return self.compiled.chain(
-            self.model, self.cache, token, positions, visible, counts, self.layout, self.dtype, steps
+            self.model, self.cache, token, positions, visible, counts, self.layout, self.dtype, steps, draws
         )
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:

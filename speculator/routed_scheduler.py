@@ -81,6 +81,12 @@ class RoutedChains:
         for drafter in self.drafters:
             drafter.cache.warm_for(positions)
 
+    def expect_sampling(self, probs: list[LogitsToProbs]) -> None:
+        """Every drafter's sampled blocks for rows sampled under `probs`, before they warm
+        (`BatchedChainDrafter.expect_sampling`)."""
+        for drafter in self.drafters:
+            drafter.expect_sampling(probs)
+
     def behind(self, verified: list[list[int]]) -> list[tuple[int, ...]]:
         """[B][S] the tokens each SSM must catch each row up on before drafting it (at least 1)."""
         return list(zip(*(drafter.behind(verified) for drafter in self.drafters), strict=True))

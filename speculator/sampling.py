@@ -111,9 +111,18 @@ def draw(q: torch.Tensor, samples: int = 1, generator: torch.Generator | None = 
     of the 1.4 ms a sampled chain of 4 of the tiny fixture's SSM took over a greedy one. u is uniform
     in [0, 1), so (1 - u) x total lies in (0, total], and the first index whose cumulative sum
     reaches it is never a token of probability 0."""
+    u = torch.rand((*q.shape[:-1], samples), generator=generator, device=q.device, dtype=q.dtype)
+    return inverse_cdf(q, u)
+
+
+def inverse_cdf(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`draw`'s tokens [..., samples] for its uniform numbers u [..., samples] in [0, 1): drawn
+    outside a compiled graph, they leave the graph no random state to hold (a sampled chain's block,
+    speculator/chain_block.py), and a chain's block needs one number a token, not one a token of
+    the vocabulary as an exponential race would (`exponential_` over 7 x 4096 tokens took 0.49 ms on a
+    2-core EPYC, as long as the block's 7 passes)."""
     cdf = q.cumsum(-1)
-    u = torch.rand((*q.shape[:-1], samples), generator=generator, device=q.device, dtype=cdf.dtype)
-    return torch.searchsorted(cdf, (1 - u) * cdf[..., -1:])
+    return torch.searchsorted(cdf, (1 - u.to(cdf.dtype)) * cdf[..., -1:])
 
 
 class LogitsToProbs:
@@ -196,3 +205,72 @@ def _apply(processor: LogitsProcessor, histories: torch.Tensor, scores: torch.Te
     if type(processor) in ROW_INDEPENDENT or scores.shape[0] == 1:
         return processor(histories, scores)
     return torch.cat([processor(histories[i : i + 1], scores[i : i + 1]) for i in range(scores.shape[0])])
+
+
+@dataclass(frozen=True)
+class ChainWarp:
+    """A sampled row's processing where it is only `generate`'s config warpers (temperature, then
+    top-k, then top-p, each at most once, filtering to -inf): what a compiled sampled-chain block
+    applies inside its graph (speculator/chain_block.py) as `warped_probs`. The block's q is what
+    its tokens are drawn from and what MSS verifies them with (ALGORITHMS.md section 2), so it
+    need not equal the processors' bit for bit: it only has to be q, exactly, for its draws."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @classmethod
+    def of(cls, probs: LogitsToProbs) -> ChainWarp | None:
+        """`probs`' sampling as a ChainWarp; None where it samples not or processes otherwise."""
+        if not probs.config.do_sample:
+            return None
+        found: dict[type, LogitsProcessor] = {}
+        order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+        for processor in probs.processors:
+            kind = type(processor)
+            if kind not in order or kind in found or any(order.index(k) > order.index(kind) for k in found):
+                return None
+            if kind is not TemperatureLogitsWarper and processor.filter_value != -float("inf"):
+                return None
+            if kind is TopPLogitsWarper and processor.min_tokens_to_keep != 1:
+                return None
+            found[kind] = processor
+        temperature = found.get(TemperatureLogitsWarper)
+        top_k, top_p = found.get(TopKLogitsWarper), found.get(TopPLogitsWarper)
+        return cls(
+            1.0 if temperature is None else float(temperature.temperature),
+            0 if top_k is None else int(top_k.top_k),
+            1.0 if top_p is None else float(top_p.top_p),
+        )
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        """What a compiled block's graph holds of it (top-k, top-p on); the rest are its inputs."""
+        return self.top_k, self.top_p < 1
+
+    def arguments(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+        """`warped_probs`' arguments for `rows` rows: temperature and top-p as [rows, 1] float32
+        tensors (inputs of a compiled block, not a graph per value), top-k, top-p on."""
+        values = torch.tensor([[self.temperature, self.top_p]], dtype=torch.float32, device=device)
+        temperature, top_p = (values[:, i : i + 1].expand(rows, 1).contiguous() for i in range(2))
+        return temperature, top_p, *self.key
+
+
+def warped_probs(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # [B, 1] float32
+    top_p: torch.Tensor,  # [B, 1] float32
+    top_k: int,  # 0: off
+    nucleus: bool,  # apply top-p (static in a graph: its sort costs where top-p is off)
+) -> torch.Tensor:
+    """[B, V] float32 q: `ChainWarp`'s warpers as transformers applies them, then the softmax."""
+    scores = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if nucleus:
+        ordered, order = torch.sort(scores, descending=False)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return torch.softmax(scores, -1)

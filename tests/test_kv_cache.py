@@ -24,8 +24,8 @@ from specboost.decoder.stopping import StopCriteria
 from specboost.decoder.verifiers import StairsVerifier, TreeVerifier
 from specboost.decoder.verify import Rule
 from specboost.speculator import BeamShape, ChainShape, PoolDrafter, TopologyShape, kv_cache
-from specboost.speculator.argmax_chain import argmax_chain
 from specboost.speculator.batched_drafter import BatchedChainDrafter
+from specboost.speculator.chain_block import chain_block
 from specboost.speculator.kv_cache import (
     CAPACITY_STEP,
     CompiledFunctions,
@@ -360,8 +360,8 @@ def test_an_argmax_chain_fed_in_blocks_is_the_chain_fed_token_by_token(feeds: in
 
     def spy(*args: object) -> torch.Tensor:
         assert all(a.stride() == torch.empty(a.shape).stride() for a in args[2:6])  # guarded on
-        blocks.append(args[-1])
-        return argmax_chain(*args)
+        blocks.append(args[8])  # its steps
+        return chain_block(*args)
 
     call = CompiledPass(lambda: tree_pass, make_chain=lambda: spy)
     call.expected_chains = {3, 7}
@@ -391,8 +391,8 @@ def test_a_drafter_drafts_its_chains_in_blocks_only_where_every_row_drafts_them_
     calls = []
 
     def spy(*args: object) -> torch.Tensor:
-        calls.append(args[-1])
-        return argmax_chain(*args)
+        calls.append(args[8])  # its steps
+        return chain_block(*args)
 
     call = CompiledPass(lambda: tree_pass, make_chain=lambda: spy)
     call.expected_chains = {3}
