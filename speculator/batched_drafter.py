@@ -213,17 +213,17 @@ class BatchedChainDrafter:
         self, lengths: list[int], probs: list[LogitsToProbs], pooled: list[bool], streams: dict
     ) -> ChainWarp | None:
         """The `ChainWarp` of a chain whose tokens after its first the cache may draw in compiled
-        sampled blocks (speculator/chain_block.py): a compiled cache that makes them, every row
-        drafting the whole width (2 tokens or more), sampled from torch's global stream (no
-        generator, coupled stream or processor of its own), all under the same warpers; else None
-        (the cache draws the tokens in blocks where its call expects the warp: `expect_sampling`)."""
+        sampled blocks (speculator/chain_block.py): a compiled cache that makes them, of one row
+        (blocks serve one-row caches only: a batch keeps drawing on the host), drafting 2 tokens or
+        more, sampled from torch's global stream (no generator, coupled stream or processor of its
+        own); else None (the cache draws the tokens in blocks where its call expects the warp:
+        `expect_sampling`)."""
         call = self.cache.compiled
-        if call is None or call.make_sampled is None or min(lengths) < 2 or len(set(lengths)) > 1:
+        if call is None or call.make_sampled is None or len(lengths) != 1 or lengths[0] < 2:
             return None
-        if streams or not all(pooled):
+        if streams or not pooled[0]:
             return None
-        warps = {ChainWarp.of(p) for p in probs}
-        return warps.pop() if len(warps) == 1 and None not in warps else None
+        return ChainWarp.of(probs[0])
 
     def _catch_up(self, row: int, verified: list[int]) -> list[int]:
         """Drop the cached tokens that are not a prefix of `verified`; return what must be fed

@@ -1,9 +1,9 @@
 """Sampled chains drafted in compiled blocks (speculator/chain_block.py, `TreeCache.feed_sampled`):
 the block's q is the SSM's distribution under the row's warpers, its tokens are exact draws from
 that q (`sampling.inverse_cdf`, `draw`'s: tests/test_sampling_lossless.py), and the compiled block
-draws what the uncompiled one does from the same uniform numbers. MSS verifies
-a draft by its own (token, q) pairs (tests/test_sampling_lossless.py), so drafts that follow the q
-they carry keep decoding lossless; the end-to-end check through a compiled decoder is there too."""
+draws what the uncompiled one does from the same uniform numbers. MSS verifies a draft by its own
+(token, q) pairs (tests/test_sampling_lossless.py), so drafts that follow the q they carry keep
+decoding lossless; the end-to-end check through a compiled decoder is there too."""
 
 from __future__ import annotations
 
@@ -77,8 +77,9 @@ def block_drafter(
 @pytest.mark.parametrize("rows", [1, 2])
 def test_sampled_chains_are_drawn_from_the_q_they_carry(models, rows: int) -> None:
     """Chains of 4 (the first token by the host, the other 3 in one block; with 2 rows, one pass a
-    token): every q a chain carries is the SSM's warped distribution after the chain so far, and
-    the chains follow the SSM's exact joint distribution (chi-square on every prefix)."""
+    token drawn on the host, as before the blocks): every q a chain carries is the SSM's warped
+    distribution after the chain so far, and the chains follow the SSM's exact joint distribution
+    (chi-square on every prefix)."""
     ssm, config = models["ssm_a"], SamplingConfig(True, 1.3, top_k=4)
     probs, ran = LogitsToProbs(config), []
     drafter = block_drafter(ssm, probs, rows, ran)
