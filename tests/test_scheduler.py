@@ -681,7 +681,9 @@ def test_a_steps_drafts_update_as_the_vectorized_rule(steps) -> None:
         np.testing.assert_allclose(python.accepted, numpy.accepted)
         np.testing.assert_allclose(python.predicted, numpy.predicted)
         np.testing.assert_allclose(python.spread.sums, numpy.spread.sums)
-        np.testing.assert_allclose(python.lines, numpy.lines)
+        # A slope of 0 may come out as 4e-17 in one order of summation (hypothesis found it):
+        # round-off, not a different rule.
+        np.testing.assert_allclose(python.lines, numpy.lines, atol=1e-12)
 
 
 def test_a_profile_from_a_newer_specboost_loads_without_its_new_fields(tmp_path: Path, caplog) -> None:
