@@ -669,7 +669,7 @@ class TreeCache:
         done = 0
         while done < feeds:
             block = self._chain_block(feeds - done, None if warp is None else warp.key)
-            draws = None if setting is None else (setting, uniform[:, done : done + block].contiguous())
+            draws = None if setting is None else (setting, uniform[:, done : done + block])
             out = None if not block else self._chain_pass(token, self.width, block, draws)
             if out is None:
                 block, logits = 1, self.feed_column(token, [True] * self.rows)
@@ -709,14 +709,17 @@ class TreeCache:
         """The compiled block of `steps` argmax tokens after `token` [1] (with `draws`: sampled
         tokens and their q), fed from position `start` (the row's length); None if the call makes
         none. Inputs like a real pass's: distinct, contiguous tensors (the graphs guard on both).
-        `token` is copied to strides of its own: a chain's column keeps the chain's width as its
-        stride (even `clone` keeps it), and a graph compiled for one width recompiled for every
-        other the router drafted."""
+        `token` and the draws' uniform numbers are copied to strides of their own: a chain's column
+        (and a block's slice of the chain's numbers) keeps the chain's width as its stride (even
+        `clone` keeps it), and a graph compiled for one width recompiled for every other the router
+        drafted (a sampled block recompiled inside a timed run of the T = 0.8 suite, 3-4 s)."""
         assert self.compiled is not None
         counts = torch.tensor([start, start, start], device=self.device)
         positions = torch.tensor([[start]], device=self.device)
         visible = torch.ones(1, 1, 1, dtype=torch.bool, device=self.device)
         token = token.clone(memory_format=torch.contiguous_format)
+        if draws is not None:
+            draws = draws[0], draws[1].clone(memory_format=torch.contiguous_format)
         return self.compiled.chain(
             self.model, self.cache, token, positions, visible, counts, self.layout, self.dtype, steps, draws
         )

@@ -103,7 +103,8 @@ def test_sampled_chains_are_drawn_from_the_q_they_carry(models, rows: int) -> No
 def test_a_compiled_sampled_block_draws_what_the_uncompiled_one_does() -> None:
     """The compiled block (torch.compile on the CPU, as `ModelCalls` makes it) and the block's own
     code give the same tokens and q from the same uniform numbers; the blocks compile where the
-    cache warms, and nothing compiles after that."""
+    cache warms, and nothing compiles after that, whatever the chain's length (a block's slice of
+    a longer chain's uniform numbers had the chain's stride, and recompiled the block)."""
     ssm = tiny_llama(layers=1, seed=3, vocab=VOCAB).float()
     probs = LogitsToProbs(SamplingConfig(True, 0.8, top_k=4))
     calls = compilation.ModelCalls(ssm.device, enabled=True)
@@ -113,11 +114,11 @@ def test_a_compiled_sampled_block_draws_what_the_uncompiled_one_does() -> None:
     compiled.expect_sampling([probs])
     eager = block_drafter(ssm, probs)
     with torch.no_grad():
-        for seed, prompt in enumerate([PROMPT, [*PROMPT, 1, 5], [3]]):
+        for seed, (prompt, length) in enumerate([(PROMPT, 4), ([*PROMPT, 1, 5], 7), ([3], 4)]):
             chains = []
             for drafter in (compiled, eager):
                 torch.manual_seed(seed)
-                chains.append(drafter.draft([prompt], [4], [probs], [None])[0])
+                chains.append(drafter.draft([prompt], [length], [probs], [None])[0])
             assert [t for t, _ in chains[0]] == [t for t, _ in chains[1]]
             for (_, q), (_, expected) in zip(*chains, strict=True):
                 torch.testing.assert_close(q, expected)
