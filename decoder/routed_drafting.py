@@ -37,7 +37,8 @@ SAMPLED_DRAFT_RULES = frozenset({Rule.MSS, Rule.K_SEQUENTIAL})  # rules that rea
 
 class RoutedDrafting:
     """`GroupDrafting` of the routed scheduler: per row an `ActionRecord`, per group the drafters;
-    the speculation gate of the group's size says whether the router decides a step (5.4)."""
+    the speculation gate of the group's size says whether the group speculates, and its hold gate
+    whether the router decides the step or its preferred action is held (5.4, "Holding")."""
 
     one_chain = True  # a row drafts one SSM's chain or nothing
 
@@ -51,6 +52,9 @@ class RoutedDrafting:
         self.pacing = DecisionPacing()
         self._plan: ChainPlan | None = None
         self._gate: SpeculationGate | None = None  # the step's
+        self._hold: SpeculationGate | None = None  # deciding or holding (5.4, "Holding"): the last used
+        self._speculated = False  # the step was the router's or a hold's (the gate on), not plain decoding's
+        self._holding = False  # the step drafted the preferred action, decided on nothing
         self._drafting = 0.0
         self._span: tuple[float, int] | None = None  # the gate's step began: when, at which `setup_count()`
 
@@ -91,12 +95,12 @@ class RoutedDrafting:
         step after the gate turns on then has no state to route on, and is a plain step that decides
         nothing (`_switched_on`): computing the states at every window's end had cost 10% of an off
         stretch's time (a pass with another graph, and on the CPU its own frozen copy of the weights,
-        once every 16 steps). The steps that draft a held decision read no state either, but their
-        passes return it: a chain's pass without it is another graph per chain length, (rows,
-        capacity) and LLM, 4 more on the tiny fixture's 6, whose warm-up took 94 s against 79 s with
-        a warm compile cache. Rows that join a group while its decisions are spaced out (`add`
-        restarts the pacing) route the next step with the states they read; the rows already there
-        have none and draft nothing for that step."""
+        once every 16 steps). The steps that draft a held decision (or the hold gate's preferred
+        action) read no state either, but their passes return it: a chain's pass without it is
+        another graph per chain length, (rows, capacity) and LLM, 4 more on the tiny fixture's 6,
+        whose warm-up took 94 s against 79 s with a warm compile cache. Rows that join a group
+        while its decisions are spaced out (`add` restarts the pacing) route the next step with the
+        states they read; the rows already there have none and draft nothing for that step."""
         paced_plain = self.pacing.wait and self.pacing.held is None
         return (self._gate is None or self._gate.on) and not paced_plain
 
@@ -104,7 +108,8 @@ class RoutedDrafting:
         self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]
     ) -> list[TokenTree] | ChainDraft:
         """The routed chains of every row; `lengths` (a batch length controller's) do not apply:
-        the router chooses the length. A plain step for every row where the gate is off."""
+        the router chooses the length. A plain step for every row where the gate is off; the
+        preferred action, decided on nothing, where the hold gate holds."""
         texts = [row.tokens for row in rows]
         start = time.perf_counter()
         if self._span is None:
@@ -112,20 +117,47 @@ class RoutedDrafting:
         self.router = self.scheduler.router_for(self.regime)
         gate = self._gate = self.scheduler.gate(len(rows), self.regime)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
+        self._holding = self._speculated = False
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None
             for record in self.records:
                 record.decided("off", 0.0)
             return self._plain_step(rows, greedy)
+        self._speculated, self._hold = True, self.scheduler.hold(len(rows), self.regime)
+        preferred = self.scheduler.preferred_action(self.regime)
+        if self._hold is not None and not self._hold.on and preferred.action is not None:
+            return self._held(rows, depths, preferred.action, greedy)
         hidden = [row.hidden for row in rows]
         if gate is not None and all(state is None for state in hidden):
             return self._switched_on(rows, greedy)
         behind = functools.partial(self.chains.behind, texts)
         plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind, not greedy)
+        preferred.observe(plan)
         seconds = time.perf_counter() - start  # every row waited for the whole group's decision
         for b, record in enumerate(self.records):
             record.decided(plan.action(b), seconds)
-        if not any(plan.lengths):  # a plain step: no drafter runs (nor is timed)
+        return self._draft(rows, plan, greedy)
+
+    def _held(
+        self, rows: list[SequenceState], depths: list[int], action: tuple[int, int], greedy: bool
+    ) -> list[TokenTree] | ChainDraft:
+        """A step of the hold regime: the preferred action drafted, nothing decided (5.4,
+        "Holding"). The pacing restarts, so that the router decides at once when it runs again, and
+        the LLM's passes keep returning the hidden states it will decide on (and keep their graphs)."""
+        self._holding = True
+        self.pacing.restart()
+        plan = self._plan = self.router.held(*action, depths, not greedy)
+        for b, record in enumerate(self.records):  # a row with no token left to draft: a plain step
+            record.decided(f"held {plan.action(b)}" if plan.lengths[b] else plan.action(b), 0.0)
+        return self._draft(rows, plan, greedy)
+
+    def _draft(
+        self, rows: list[SequenceState], plan: ChainPlan, greedy: bool
+    ) -> list[TokenTree] | ChainDraft:
+        """Every row's chain of `plan` (a plain step where no row drafts: no drafter runs, nor is
+        timed)."""
+        texts = [row.tokens for row in rows]
+        if not any(plan.lengths):
             self._drafting = 0.0
             return self._plain_step(rows, greedy)
         start = time.perf_counter()
@@ -169,10 +201,12 @@ class RoutedDrafting:
         now, setups = time.perf_counter(), setup_count()
         step = now - self._span[0] if setups == self._span[1] else None
         self._span = (now, setups)
-        if self._gate is not None and step is not None:
+        if step is not None:
             emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-            self._gate.step(emitted / len(accepted), step)
-        if self._plan is None:
+            for gate in (self._gate, self._hold if self._speculated else None):
+                if gate is not None:
+                    gate.step(emitted / len(accepted), step)
+        if self._plan is None or self._holding:  # a held step's estimates are nobody's: nothing learns
             return
         start = time.perf_counter()
         matched = [len(nodes) for nodes in accepted]
@@ -184,4 +218,6 @@ class RoutedDrafting:
 
     def report(self, row: int) -> dict:
         gate = {} if self._gate is None else {"gate": self._gate.report()}
+        if self._hold is not None:
+            gate["hold"] = self._hold.report()
         return self.records[row].report() | {"cost_factors": list(self.router.cost_factors)} | gate

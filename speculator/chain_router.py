@@ -47,6 +47,7 @@ from specboost.speculator.scheduler import COST_RANGE, IDLE_DECAY, CostCorrectio
 NO_SSM = -1
 MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
 MAX_HOLD = 4  # steps drafting a held action without deciding, at most, after it was chosen again
+PREFERENCE_MOMENTUM = 0.95  # per drafting step, of the older steps' weight in the preferred action
 STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch length's evidence
 OVERHEAD_MOMENTUM = 0.9  # per measured drafting step, of the step overhead's older evidence
 
@@ -389,6 +390,21 @@ class ChainRouter:
         profiled = (verify[1 + d], draft[i][d] + (catch_up[i] if late[i] else 0.0))
         return ChainPlan([i], [length], d, [raw[i]], cap, profiled)
 
+    def held(self, ssm: int, depth_index: int, max_depths: Sequence[float], sampled: bool) -> ChainPlan:
+        """SSM `ssm`'s chain of grid depth `depth_index` for every row, decided on nothing: the
+        speculation gate's held regime (ALGORITHMS.md 5.4, "Holding"). A row with fewer tokens
+        wanted drafts fewer; with none left for any row, the plain plan. Its estimates are zeros:
+        nothing learns from its steps (`observe` must not see them)."""
+        lengths = [min(self._depths[depth_index], int(m)) for m in max_depths]
+        if not any(lengths):
+            return self.plain(max_depths)
+        verify, draft, _ = self._costs(len(lengths), sampled)
+        drafting = sum(1 for n in lengths if n)
+        profiled = (float(verify[1 + depth_index]), float(draft[ssm, drafting, depth_index]))
+        nothing = [[0.0] * len(self.depths) for _ in lengths]
+        ssms = [ssm if n else NO_SSM for n in lengths]
+        return ChainPlan(ssms, lengths, depth_index, nothing, list(max_depths), profiled)
+
     def plain(self, max_depths: Sequence[float]) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing
         reads a plain plan's estimates or depths)."""
@@ -607,3 +623,29 @@ class DecisionPacing:
     def restart(self) -> None:
         self.skip = self.wait = 0
         self.held = self._last = None
+
+
+class PreferredAction:
+    """The drafting action (SSM, grid depth) the router has drafted most, each step's rows weighing
+    one step together and older steps decayed by PREFERENCE_MOMENTUM per drafting step: what the
+    speculation gate's held regime drafts (ALGORITHMS.md 5.4, "Holding"). Plain steps do not count:
+    the gate weighs plain decoding as a regime of its own."""
+
+    def __init__(self) -> None:
+        self.weights: dict[tuple[int, int], float] = {}
+
+    def observe(self, plan: ChainPlan) -> None:
+        """One step the router planned (decided, or held by `DecisionPacing`)."""
+        drafting = [i for i in plan.ssm if i != NO_SSM]
+        if not drafting:
+            return
+        for key in self.weights:
+            self.weights[key] *= PREFERENCE_MOMENTUM
+        for i in drafting:
+            key = (i, plan.depth_index)
+            self.weights[key] = self.weights.get(key, 0.0) + 1 / len(drafting)
+
+    @property
+    def action(self) -> tuple[int, int] | None:
+        """(SSM, depth index) of the heaviest action; None before the router drafted."""
+        return max(self.weights, key=self.weights.__getitem__) if self.weights else None

@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.batched_drafter import BatchedChainDrafter
-from specboost.speculator.chain_router import NO_SSM, ChainPlan, ChainRouter, DecisionPacing
+from specboost.speculator.chain_router import NO_SSM, ChainPlan, ChainRouter, DecisionPacing, PreferredAction
 from specboost.speculator.cost_model import CostModel
 from specboost.speculator.kv_cache import COMPILED_MAX_NODES, CompiledPass, bucket
 from specboost.speculator.predictor import MatchLengthPredictor
@@ -161,6 +161,8 @@ class RoutedScheduler:
         self.router = ChainRouter(predictor.to(ssms[0].device), cost_model, calibration, cost_correction)
         self._routers: dict[str, ChainRouter] = {}  # the other regimes': `router_for`
         self.gates: dict[tuple[int, str], SpeculationGate] = {}  # per batch-size bucket and regime (5.4)
+        self.holds: dict[tuple[int, str], SpeculationGate] = {}  # the same, deciding or holding (5.4)
+        self.preferred: dict[str, PreferredAction] = {}  # per regime: what a hold drafts
         self.compiler: Callable[[PreTrainedModel], CompiledPass | None] | None = None  # set by the decoder
         self.reset(None)
 
@@ -170,6 +172,8 @@ class RoutedScheduler:
         self.router.forget()
         self._routers = {}
         self.gates.clear()
+        self.holds.clear()
+        self.preferred.clear()
 
     def router_for(self, regime: str) -> ChainRouter:
         """The router of a group of rows of one `regime` (`learning_regime`): each regime learns
@@ -196,17 +200,26 @@ class RoutedScheduler:
         if not self.gated:
             return None
         size = bucket(rows)
-        key = (size, regime)
-        if key not in self.gates:
-            nearest = min(
-                (k for k, r in self.gates if r == regime),
-                key=lambda k: (abs(k.bit_length() - size.bit_length()), -k),
-                default=None,
-            )
-            like = None if nearest is None else self.gates[nearest, regime]
-            price = functools.partial(self.router_for(regime).plain_step_seconds, size)
-            self.gates[key] = SpeculationGate(size, like, price)
-        return self.gates[key]
+        made = self.gates.get((size, regime))
+        if made is not None:
+            return made
+        price = functools.partial(self.router_for(regime).plain_step_seconds, size)
+        return _bucket_gate(self.gates, size, regime, price)
+
+    def hold(self, rows: int, regime: str = GREEDY) -> SpeculationGate | None:
+        """The gate that, while `gate` speculates, chooses between the router deciding every step
+        ("on") and its preferred action held without deciding ("off": `preferred_action`), for
+        groups of `rows` rows in `regime`; bucketed and started like `gate`, its first trial of
+        holding measured (ALGORITHMS.md 5.4, "Holding"). None when not `gated`."""
+        if not self.gated:
+            return None
+        return _bucket_gate(self.holds, bucket(rows), regime, None)
+
+    def preferred_action(self, regime: str) -> PreferredAction:
+        """The drafting action `regime`'s router has drafted most, which a hold drafts."""
+        if regime not in self.preferred:
+            self.preferred[regime] = PreferredAction()
+        return self.preferred[regime]
 
     def tree_kind(self, do_sample: bool, seeded: bool = False) -> DraftKind:
         return DraftKind.SAMPLED if do_sample and not seeded else DraftKind.GREEDY
@@ -254,6 +267,26 @@ class RoutedScheduler:
 
     def report(self) -> dict:
         return self.record.report()
+
+
+def _bucket_gate(
+    gates: dict[tuple[int, str], SpeculationGate],
+    size: int,
+    regime: str,
+    price: Callable[[], float] | None,
+) -> SpeculationGate:
+    """The gate of bucket `size` and `regime` in `gates`, made where missing in the regime's nearest
+    bucket's state (`RoutedScheduler.gate`)."""
+    key = (size, regime)
+    if key not in gates:
+        nearest = min(
+            (k for k, r in gates if r == regime),
+            key=lambda k: (abs(k.bit_length() - size.bit_length()), -k),
+            default=None,
+        )
+        like = None if nearest is None else gates[nearest, regime]
+        gates[key] = SpeculationGate(size, like, price)
+    return gates[key]
 
 
 class ActionRecord:
