@@ -486,18 +486,23 @@ def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.Monkey
     assert max(timed) < 0.05
 
 
+LOOP_WORK = 0.06  # seconds of the loop's own work between steps in `test_the_gate_times_whole_steps`
+
+
 def test_the_gate_times_whole_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step is timed from the end of the step before it, so the loop's own work between steps
-    counts (here 20 ms of it, in the depths the next draft reads); a call's first step from its
+    counts (here 60 ms of it, in the depths the next draft reads); a call's first step from its
     drafting, so the prompt's reading and the time between calls do not. Every step is measured
     (ALGORITHMS.md 5.4): before, a call's first 4 steps were left out, and the router, about 5
-    steps a 48-token call, was judged by its calls' cut-short ends."""
+    steps a 48-token call, was judged by its calls' cut-short ends. With 20 ms of it, a first step
+    took 24.7 ms on a 2-core host busy training a model, and the test failed."""
     llm, decoder = drafting_in_vain()
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     decoder.generate(prompt, max_new_tokens=30)  # torch's own first calls, untimed
     measured = recorded_gate_steps(monkeypatch, decoder)
     max_depth = SequenceState.max_depth
-    monkeypatch.setattr(SequenceState, "max_depth", lambda row, *a: time.sleep(0.02) or max_depth(row, *a))
+    slowed = lambda row, *a: time.sleep(LOOP_WORK) or max_depth(row, *a)  # noqa: E731
+    monkeypatch.setattr(SequenceState, "max_depth", slowed)
     for _ in range(2):
         out = decoder.generate(prompt, max_new_tokens=30)
         assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
@@ -505,7 +510,7 @@ def test_the_gate_times_whole_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     steps = out.stats.llm_steps
     assert len(timed) == 2 * steps
     firsts = [timed[0], timed[steps]]  # timed from their drafting, after the depths were read
-    assert max(firsts) < 0.02 <= min(timed[1:steps] + timed[steps + 1 :])
+    assert max(firsts) < LOOP_WORK <= min(timed[1:steps] + timed[steps + 1 :])
 
 
 @pytest.mark.parametrize("rows", [1, 8])
