@@ -486,9 +486,6 @@ def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.Monkey
     assert max(timed) < 0.05
 
 
-LOOP_WORK = 0.06  # seconds of the loop's own work between steps in `test_the_gate_times_whole_steps`
-
-
 def test_the_gate_times_whole_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step is timed from the end of the step before it, so the loop's own work between steps
     counts (here 60 ms of it, in the depths the next draft reads); a call's first step from its
@@ -500,8 +497,12 @@ def test_the_gate_times_whole_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     decoder.generate(prompt, max_new_tokens=30)  # torch's own first calls, untimed
     measured = recorded_gate_steps(monkeypatch, decoder)
-    max_depth = SequenceState.max_depth
-    slowed = lambda row, *a: time.sleep(LOOP_WORK) or max_depth(row, *a)  # noqa: E731
+    loop_work, max_depth = 0.06, SequenceState.max_depth
+
+    def slowed(row: SequenceState, *args):
+        time.sleep(loop_work)
+        return max_depth(row, *args)
+
     monkeypatch.setattr(SequenceState, "max_depth", slowed)
     for _ in range(2):
         out = decoder.generate(prompt, max_new_tokens=30)
@@ -510,7 +511,7 @@ def test_the_gate_times_whole_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     steps = out.stats.llm_steps
     assert len(timed) == 2 * steps
     firsts = [timed[0], timed[steps]]  # timed from their drafting, after the depths were read
-    assert max(firsts) < LOOP_WORK <= min(timed[1:steps] + timed[steps + 1 :])
+    assert max(firsts) < loop_work <= min(timed[1:steps] + timed[steps + 1 :])
 
 
 @pytest.mark.parametrize("rows", [1, 8])
