@@ -14,13 +14,15 @@ in the loop; a plain step is the LLM's one-node pass after another one. With `sa
 also drafts sampled chains (`BatchedChainDrafter.draft` at temperature SAMPLED_TEMPERATURE, the
 tokens read back as sampled decoding reads them) in the same steps. Each number is the median
 of `repeats` timed runs, each after `ProfileConfig.settle` untimed runs of itself (the steps before
-it in a stretch of that action); CUDA is synchronised around every timed part.
+it in a stretch of that action); CUDA is synchronised around every timed part. SSMs of one
+architecture (`cost_twins`) are timed once, their rows of the tables shared.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -138,8 +140,12 @@ def profile(
 ) -> CostModel:
     """Measure L_verify over tree sizes and L_speculate over the (b, d) grid for every SSM, under
     `torch.inference_mode` as decoding runs (`loop.decode`): its compiled passes are the ones
-    decoding then meets."""
+    decoding then meets. One SSM of each architecture is timed (`cost_twins`) and its figures
+    stand for the others'."""
     config = config or ProfileConfig()
+    firsts = sorted(set(cost_twins(ssms)))
+    timed_ssms = [ssms[i] for i in firsts]
+    row = [firsts.index(i) for i in cost_twins(ssms)]  # each SSM's figures: those of timed_ssms[row]
     gen = torch.Generator().manual_seed(config.seed)
     vocab = llm.get_output_embeddings().weight.shape[0]
     prefix = torch.randint(vocab, (config.prefix_length,), generator=gen).tolist()
@@ -158,7 +164,7 @@ def profile(
     for size in sizes:
         runs[f"verify {size}"] = functools.partial(verify, bushy_tree(size, vocab, max(config.depths), gen))
     probs = LogitsToProbs(SamplingConfig())
-    for index, ssm in enumerate(ssms):
+    for index, ssm in enumerate(timed_ssms):
         drafter = PoolDrafter([ssm], [index])
         drafter.draft_one(prefix, ChainShape(1), probs, 1)  # fill the cache: timed runs catch up one token
         runs[f"ssm {index} step"] = functools.partial(drafter.draft_one, prefix, ChainShape(1), probs, 1)
@@ -175,12 +181,12 @@ def profile(
         runs["pool step"] = functools.partial(pool.draft, prefix, steps, probs, 1)
     segmented = [timed(run, name, device) for name, run in runs.items()]
     batch_sizes = sorted(set(config.batch_sizes))
-    segmented += chain_runs(llm, ssms, prefix, batch_sizes, config)
+    segmented += chain_runs(llm, timed_ssms, prefix, batch_sizes, config)
     if config.compile:
         calls = ModelCalls(device, enabled=True)
-        for ssm in ssms:  # the compiled chains are drafted as the decoder drafts them
+        for ssm in timed_ssms:  # the compiled chains are drafted as the decoder drafts them
             calls.expect_chains(ssm, max(config.depths))
-        segmented += chain_runs(llm, ssms, prefix, batch_sizes, config, calls.get, COMPILED)
+        segmented += chain_runs(llm, timed_ssms, prefix, batch_sizes, config, calls.get, COMPILED)
     drafting = [  # the drafting tables measured: (CostModel field, run names' tag)
         (name, tag)
         for name, tag, measured in (
@@ -193,10 +199,9 @@ def profile(
     ]
     seconds = _interleaved_medians(segmented, config.repeats, config.settle, show_progress)
     verify_seconds = [seconds[f"verify {size}"] for size in sizes]
-    steps = [seconds[f"ssm {i} step"] for i in range(len(ssms))]
+    steps = [seconds[f"ssm {i} step"] for i in row]
     speculate = [
-        {f"{b},{d}": seconds[f"ssm {i} {b},{d}"] for b in config.widths for d in config.depths}
-        for i in range(len(ssms))
+        {f"{b},{d}": seconds[f"ssm {i} {b},{d}"] for b in config.widths for d in config.depths} for i in row
     ]
     return CostModel(
         device=device_key(device, llm.dtype),
@@ -212,7 +217,7 @@ def profile(
         chain_nodes=config.chain_nodes,
         chain_depths=list(config.depths),
         chain_verify_seconds=verify_table(seconds, batch_sizes, config.chain_nodes),
-        **{name: chain_table(seconds, len(ssms), batch_sizes, config.depths, tag) for name, tag in drafting},
+        **{name: chain_table(seconds, row, batch_sizes, config.depths, tag) for name, tag in drafting},
         compiled_chain_verify_seconds=(
             verify_table(seconds, batch_sizes, config.chain_nodes, COMPILED) if config.compile else []
         ),
@@ -220,12 +225,35 @@ def profile(
 
 
 def chain_table(
-    seconds: dict[str, float], ssms: int, batch_sizes: list[int], depths: tuple[int, ...], tag: str = ""
+    seconds: dict[str, float], rows: list[int], batch_sizes: list[int], depths: tuple[int, ...], tag: str = ""
 ) -> list[list[list[float]]]:
-    """[SSM][batch][depth] of the "ssm I chain BxD" runs (`tag`: of the compiled or sampled runs)."""
-    return [
-        [[seconds[f"{tag}ssm {i} chain {b}x{d}"] for d in depths] for b in batch_sizes] for i in range(ssms)
-    ]
+    """[SSM][batch][depth] of the "ssm I chain BxD" runs (`tag`: of the compiled or sampled runs), SSM
+    s's from the runs of the timed SSM `rows[s]`."""
+    return [[[seconds[f"{tag}ssm {i} chain {b}x{d}"] for d in depths] for b in batch_sizes] for i in rows]
+
+
+def cost_twins(models: list[PreTrainedModel]) -> list[int]:
+    """For each model, the first of `models` whose passes cost what its own do: the same class,
+    config (its name and path aside), attention implementation, and parameters of the same names,
+    shapes, dtypes and devices. A dense model's time does not depend on its weights' values, so
+    the profile times one of each. Timed apart, the tiny fixture's three SSMs of one size had
+    differed by noise alone, which the router reads as one SSM being cheaper (a compiled chain of
+    16: 2.82 ms for SSM 2, 3.25 for SSM 0); timed once, its compiled profile makes 370 runs
+    instead of 930 (7.2 minutes instead of 8.3 from a cold compile cache: the other SSMs' graphs
+    had come from inductor's cache)."""
+    first: dict[str, int] = {}
+    twins = []
+    for index, model in enumerate(models):
+        config = {
+            k: v
+            for k, v in model.config.to_dict().items()
+            if k not in ("_name_or_path", "transformers_version")
+        }
+        params = [(n, tuple(p.shape), str(p.dtype), str(p.device)) for n, p in model.named_parameters()]
+        attention = getattr(model.config, "_attn_implementation", None)
+        key = json.dumps([type(model).__qualname__, config, attention, params], sort_keys=True, default=str)
+        twins.append(first.setdefault(key, index))
+    return twins
 
 
 def verify_table(

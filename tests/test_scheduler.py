@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specboost.decoder import SpeculativeDecoder
-from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.profiler import ProfileConfig, cost_twins, profile
 from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import scheduler as scheduler_module
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
@@ -171,6 +171,19 @@ def test_profile_measures_every_configuration_on_tiny_models() -> None:
     assert [sorted(t) for t in cost.speculate_seconds] == [["1,1", "1,4", "2,1", "2,4"]] * 2
     assert cost.num_ssms == 2 and all(t > 0 for t in cost.ssm_step_seconds)
     assert cost.pool_step_seconds > 0  # one architecture: the stacked pool's step is measured too
+
+
+def test_profile_times_one_ssm_of_each_architecture() -> None:
+    """SSMs of one architecture cost alike whatever their weights: the profile times the first and
+    the others share its figures; another size or dtype is timed on its own."""
+    llm = tiny_llama(layers=2)
+    ssms = [tiny_llama(layers=1, seed=1), tiny_llama(layers=2, seed=2), tiny_llama(layers=1, seed=3)]
+    assert cost_twins([*ssms, tiny_llama(layers=1, seed=1).to(torch.float32)]) == [0, 1, 0, 3]
+    config = ProfileConfig(WIDTHS, DEPTHS, (1, 4), prefix_length=4, repeats=1, batch_sizes=(1, 2))
+    cost = profile(llm, ssms, config, show_progress=False)
+    assert cost.num_ssms == len(cost.ssms) == 3  # every SSM listed, twins or not
+    for table in (cost.speculate_seconds, cost.ssm_step_seconds, cost.chain_seconds):
+        assert table[2] == table[0] and table[1] != table[0]
 
 
 # The choice -------------------------------------------------------------------------------------
