@@ -239,7 +239,7 @@ def cost_twins(models: list[PreTrainedModel]) -> list[int]:
     the profile times one of each. Timed apart, the tiny fixture's three SSMs of one size had
     differed by noise alone, which the router reads as one SSM being cheaper (a compiled chain of
     16: 2.82 ms for SSM 2, 3.25 for SSM 0); timed once, its compiled profile makes 370 runs
-    instead of 930 (7.2 minutes instead of 8.3 from a cold compile cache: the other SSMs' graphs
+    instead of 930 (7.3 minutes instead of 8.3 from a cold compile cache: the other SSMs' graphs
     had come from inductor's cache)."""
     first: dict[str, int] = {}
     twins = []
