@@ -29,7 +29,7 @@ from specboost.decoder.bench.protocol import Protocol
 from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SHAPE_KINDS, PoolDefaults, SSMPool
-from specboost.decoder.profiler import ProfileConfig, profile
+from specboost.decoder.profiler import ProfileConfig, profile, reused_profile
 from specboost.decoder.serve.command import add_serve_arguments, bounded, serve
 from specboost.decoder.strategies import DEFAULT_BUDGET, STRATEGIES, StrategyOptions
 from specboost.decoder.validation import SEED_LIMIT
@@ -327,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
         "decoding with (for a pool that samples: the chain runs take about twice as long); without "
         "it, sampled chains are priced as greedy ones and corrected online",
     )
+    prof.add_argument(
+        "--like",
+        type=Path,
+        metavar="FILE",
+        help="a profile of models of the same architectures (another pool of the same sizes beside the "
+        "same LLM), measured here with these options: its figures are copied and nothing is timed; "
+        "where it does not fit, the reason is printed and the models are profiled",
+    )
 
     standin = commands.add_parser(
         "standin",
@@ -623,7 +631,16 @@ def profile_command(args: argparse.Namespace) -> int:
         compile=args.compile,
         sampled=args.sampled,
     )
-    cost = profile(models.llm, models.ssms, config)
+    cost = None
+    if args.like is not None:
+        try:
+            like = load_cost_model(args.like, device_key(models.llm.device, models.llm.dtype))
+            cost = reused_profile(like, models.llm, models.ssms, config)
+            print(f"{args.like}: measured on models of these architectures here; its figures reused")
+        except ValueError as why:
+            print(f"{args.like} not reused ({why}): profiling")
+    if cost is None:
+        cost = profile(models.llm, models.ssms, config)
     save_cost_model(cost, args.out)
     sizes = ", ".join(
         f"{n}: {t * 1e3:.2f}" for n, t in zip(cost.verify_tokens, cost.verify_seconds, strict=True)

@@ -21,12 +21,13 @@ architecture (`cost_twins`) are timed once, their rows of the tables shared.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -35,7 +36,7 @@ from transformers import PreTrainedModel
 from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.validation import model_name
 from specboost.speculator.batched_drafter import BatchedChainDrafter
-from specboost.speculator.cost_model import CostModel, device_key
+from specboost.speculator.cost_model import DRAFTING_TABLES, CostModel, device_key
 from specboost.speculator.drafter import PoolDrafter
 from specboost.speculator.kv_cache import CompiledPass, TreeCache, capacity_for
 from specboost.speculator.predictor import DEPTHS, WIDTHS
@@ -143,9 +144,10 @@ def profile(
     decoding then meets. One SSM of each architecture is timed (`cost_twins`) and its figures
     stand for the others'."""
     config = config or ProfileConfig()
-    firsts = sorted(set(cost_twins(ssms)))
+    twins = cost_twins(ssms)
+    firsts = sorted(set(twins))
     timed_ssms = [ssms[i] for i in firsts]
-    row = [firsts.index(i) for i in cost_twins(ssms)]  # each SSM's figures: those of timed_ssms[row]
+    row = [firsts.index(i) for i in twins]  # each SSM's figures: those of timed_ssms[row]
     gen = torch.Generator().manual_seed(config.seed)
     vocab = llm.get_output_embeddings().weight.shape[0]
     prefix = torch.randint(vocab, (config.prefix_length,), generator=gen).tolist()
@@ -213,6 +215,8 @@ def profile(
         pool_step_seconds=seconds.get("pool step"),
         llm=model_name(llm),
         ssms=[model_name(s) for s in ssms],
+        llm_cost_key=cost_key(llm),
+        ssm_cost_keys=[cost_key(s) for s in ssms],
         batch_sizes=batch_sizes,
         chain_nodes=config.chain_nodes,
         chain_depths=list(config.depths),
@@ -232,28 +236,76 @@ def chain_table(
     return [[[seconds[f"{tag}ssm {i} chain {b}x{d}"] for d in depths] for b in batch_sizes] for i in rows]
 
 
+def cost_key(model: PreTrainedModel) -> str:
+    """What a model's passes cost depends on, as a digest: its class, config (its name and path
+    aside), attention implementation, and its parameters' names, shapes, dtypes and devices. A
+    dense model's time does not depend on its weights' values."""
+    config = {
+        k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")
+    }
+    params = [(n, tuple(p.shape), str(p.dtype), str(p.device)) for n, p in model.named_parameters()]
+    attention = getattr(model.config, "_attn_implementation", None)
+    key = json.dumps([type(model).__qualname__, config, attention, params], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def cost_twins(models: list[PreTrainedModel]) -> list[int]:
-    """For each model, the first of `models` whose passes cost what its own do: the same class,
-    config (its name and path aside), attention implementation, and parameters of the same names,
-    shapes, dtypes and devices. A dense model's time does not depend on its weights' values, so
-    the profile times one of each. Timed apart, the tiny fixture's three SSMs of one size had
-    differed by noise alone, which the router reads as one SSM being cheaper (a compiled chain of
-    16: 2.82 ms for SSM 2, 3.25 for SSM 0); timed once, its compiled profile makes 370 runs
-    instead of 930 (7.3 minutes instead of 8.3 from a cold compile cache: the other SSMs' graphs
-    had come from inductor's cache)."""
+    """For each model, the first of `models` with its `cost_key`: the profile times one of each.
+    Timed apart, the tiny fixture's three SSMs of one size had differed by noise alone, which the
+    router reads as one SSM being cheaper (a compiled chain of 16: 2.82 ms for SSM 2, 3.25 for
+    SSM 0); timed once, its compiled profile makes 370 runs instead of 930 (7.3 minutes instead of
+    8.3 from a cold compile cache: the other SSMs' graphs had come from inductor's cache)."""
     first: dict[str, int] = {}
-    twins = []
-    for index, model in enumerate(models):
-        config = {
-            k: v
-            for k, v in model.config.to_dict().items()
-            if k not in ("_name_or_path", "transformers_version")
-        }
-        params = [(n, tuple(p.shape), str(p.dtype), str(p.device)) for n, p in model.named_parameters()]
-        attention = getattr(model.config, "_attn_implementation", None)
-        key = json.dumps([type(model).__qualname__, config, attention, params], sort_keys=True, default=str)
-        twins.append(first.setdefault(key, index))
-    return twins
+    return [first.setdefault(cost_key(model), index) for index, model in enumerate(models)]
+
+
+def reused_profile(
+    like: CostModel, llm: PreTrainedModel, ssms: list[PreTrainedModel], config: ProfileConfig
+) -> CostModel:
+    """`like`'s figures for these models, where it was measured on models that cost what these
+    do: the LLM and the pool's SSMs of the same `cost_key`s (in any order), on this device key
+    (hardware, threads, dtype), with every table `config` asks for measured at its sizes. A pool
+    retrained on other data, or boosted for sampling beside a greedy one of the same sizes, then
+    needs no profile of its own. Raises ValueError saying what differs."""
+    keys = [cost_key(ssm) for ssm in ssms]
+    if like.llm_cost_key is None:
+        raise ValueError("it does not record its models' architectures (measured before they were)")
+    wanted = {
+        "LLM architecture": (like.llm_cost_key, cost_key(llm)),
+        "set of SSM architectures": (sorted(like.ssm_cost_keys), sorted(keys)),
+        "device, dtype or thread count": (like.device, device_key(llm.device, llm.dtype)),
+        "prefix length": (like.prefix_length, config.prefix_length),
+        "set of verified tree sizes": (like.verify_tokens, sorted(set(config.verify_sizes))),
+        "set of batch sizes": (like.batch_sizes, sorted(set(config.batch_sizes))),
+        "set of chain lengths": (like.chain_depths, list(config.depths)),
+        "set of beam shapes": (
+            sorted(like.speculate_seconds[0]) if like.speculate_seconds else [],
+            sorted(f"{b},{d}" for b in config.widths for d in config.depths),
+        ),
+    }
+    for what, (theirs, ours) in wanted.items():
+        if theirs != ours:
+            raise ValueError(f"it was measured with another {what}")
+    missing = [
+        name
+        for name, asked in (
+            ("compiled_chain_seconds", config.compile),
+            ("sampled_chain_seconds", config.sampled),
+            ("compiled_sampled_chain_seconds", config.compile and config.sampled),
+        )
+        if asked and not getattr(like, name)
+    ]
+    if missing:
+        raise ValueError(f"it lacks the tables {', '.join(missing)}")
+    row = [like.ssm_cost_keys.index(key) for key in keys]
+    per_ssm = ("speculate_seconds", "ssm_step_seconds", *DRAFTING_TABLES)
+    return replace(
+        like,
+        llm=model_name(llm),
+        ssms=[model_name(s) for s in ssms],
+        ssm_cost_keys=keys,
+        **{name: [getattr(like, name)[i] for i in row] if getattr(like, name) else [] for name in per_ssm},
+    )
 
 
 def verify_table(

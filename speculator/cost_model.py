@@ -81,6 +81,10 @@ class CostModel:
     pool_step_seconds: float | None = None  # one step of the stacked pool (None: not stacked)
     llm: str | None = None
     ssms: list[str] = field(default_factory=list)
+    # What the models' passes cost depends on (decoder/profiler.py `cost_key`): another pool of the
+    # same architectures may reuse the profile (`specboost profile --like`). None, []: not recorded.
+    llm_cost_key: str | None = None
+    ssm_cost_keys: list[str] = field(default_factory=list)
     # Chain tables (section 5.3); empty in profiles measured before they existed.
     batch_sizes: list[int] = field(default_factory=list)  # rows measured, increasing
     chain_nodes: list[int] = field(default_factory=list)  # chain sizes verified (root included)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specboost.decoder import SpeculativeDecoder
-from specboost.decoder.profiler import ProfileConfig, cost_twins, profile
+from specboost.decoder.profiler import ProfileConfig, cost_twins, profile, reused_profile
 from specboost.decoder.strategies import StrategyOptions
 from specboost.speculator import scheduler as scheduler_module
 from specboost.speculator.cost_model import CostModel, device_key, load_cost_model, save_cost_model
@@ -184,6 +185,31 @@ def test_profile_times_one_ssm_of_each_architecture() -> None:
     assert cost.num_ssms == len(cost.ssms) == 3  # every SSM listed, twins or not
     for table in (cost.speculate_seconds, cost.ssm_step_seconds, cost.chain_seconds):
         assert table[2] == table[0] and table[1] != table[0]
+
+
+def test_a_profile_serves_a_pool_of_the_same_architectures_and_no_other() -> None:
+    """`specboost profile --like`: another pool of the same sizes beside an LLM of the same size
+    takes a profile's figures, its SSMs matched by architecture in any order; another size, or a
+    table the profile lacks, is refused with the reason."""
+    llm, ssms = tiny_llama(layers=2), [tiny_llama(layers=1, seed=1), tiny_llama(layers=2, seed=2)]
+    config = ProfileConfig(WIDTHS, DEPTHS, (1, 4), prefix_length=4, repeats=1, batch_sizes=(1, 2))
+    cost = profile(llm, ssms, config, show_progress=False)
+    other_pool = [tiny_llama(layers=2, seed=5), tiny_llama(layers=1, seed=6)]
+    reused = reused_profile(cost, tiny_llama(layers=2, seed=7), other_pool, config)
+    for name in ("ssm_step_seconds", "speculate_seconds", "chain_seconds", "ssm_cost_keys"):
+        assert getattr(reused, name) == getattr(cost, name)[::-1]
+    for name in ("verify_seconds", "chain_verify_seconds", "pool_step_seconds", "llm_cost_key"):
+        assert getattr(reused, name) == getattr(cost, name)
+    with pytest.raises(ValueError, match="another set of SSM architectures"):
+        reused_profile(cost, llm, [tiny_llama(layers=3)], config)
+    with pytest.raises(ValueError, match="another LLM architecture"):
+        reused_profile(cost, tiny_llama(layers=1), ssms, config)
+    with pytest.raises(ValueError, match="another set of batch sizes"):
+        reused_profile(cost, llm, ssms, replace(config, batch_sizes=(1,)))
+    with pytest.raises(ValueError, match="lacks the tables sampled_chain_seconds"):
+        reused_profile(cost, llm, ssms, replace(config, sampled=True))
+    with pytest.raises(ValueError, match="does not record"):
+        reused_profile(replace(cost, llm_cost_key=None), llm, ssms, config)
 
 
 # The choice -------------------------------------------------------------------------------------

@@ -54,7 +54,8 @@ def test_the_fixture_runs_the_training_pipeline_in_order(tmp_path: Path) -> None
     cache = tmp_path / "bench-fixture" / "small"
     assert all(cache in s.output.parents for s in steps[1:])
     profile = next(s for s in steps if s.name == "profile")
-    assert profile.argv[-3:] == ("--threads", "2", "--compile")  # under the suite's threads, both loops
+    # under the suite's threads, both loops, the sampled chains too
+    assert profile.argv[-4:] == ("--threads", "2", "--compile", "--sampled")
     rebuilt = fixture_steps("small", tmp_path, threads=2, build_threads=3)
     for before, after in zip(steps, rebuilt, strict=True):
         assert before.argv == after.argv  # training threads change speed only: same identity
@@ -111,10 +112,11 @@ def test_a_trunk_that_leaves_a_member_no_steps_is_refused(trunk_steps: int) -> N
         bench_fixture.FixtureSpec(preset="tiny", trunk_steps=trunk_steps)
 
 
-def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
-    """Its hardware profile is measured on its own SSMs (as the greedy pool's), beside them, so
-    that the export ships it, with the sampled chains' tables (the suite's sampled rows run on it;
-    the greedy pool's profile has none)."""
+def test_the_sampling_pool_takes_the_greedy_pools_profile(tmp_path: Path) -> None:
+    """The sampling pool's hardware profile lies beside its own SSMs, so that the export ships it,
+    with the sampled chains' tables (the suite's sampled rows run on it); its SSMs have the greedy
+    pool's size, so it takes the figures of the greedy pool's profile (`--like`), which measures
+    those tables too, rather than compiling and timing the same passes again."""
     steps = {s.name: s for s in fixture_steps("tiny", tmp_path, threads=1)}
     sampled = tmp_path / "bench-fixture" / "tiny" / "pool-sampled"
     argv = steps["profile-sampled"].argv
@@ -123,7 +125,8 @@ def test_the_sampling_pool_is_profiled_itself(tmp_path: Path) -> None:
         str(sampled / f"ssm-{i}") for i in range(3)
     ]
     assert steps["profile-sampled"].output == sampled / "hardware_profile.json"
-    assert argv[-1] == "--sampled" and "--sampled" not in steps["profile"].argv
+    assert "--sampled" in argv and "--sampled" in steps["profile"].argv
+    assert argv[-2:] == ("--like", str(steps["profile"].output))
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
@@ -421,7 +424,7 @@ RECORDED_ARGV = {
     ],
     "profile": [
         *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm", *SSMS),
-        *("--out", f"{SMALL}/pool/hardware_profile.json", "--threads", "1", "--compile"),
+        *("--out", f"{SMALL}/pool/hardware_profile.json", "--threads", "1", "--compile", "--sampled"),
     ],
     "sequoia-acceptance": [
         *("specboost.training.sequoia_trees", "--llm", LLM, "--ssm", *SSMS),
@@ -474,6 +477,7 @@ RECORDED_ARGV = {
         *("specboost.decoder.cli", "profile", "--llm", LLM, "--ssm"),
         *(f"{SMALL}/pool-sampled/ssm-{i}" for i in range(3)),
         *("--out", f"{SMALL}/pool-sampled/hardware_profile.json", "--threads", "1", "--compile", "--sampled"),
+        *("--like", f"{SMALL}/pool/hardware_profile.json"),
     ],
     "export-sampled": [
         *("specboost.training.export", "--boost", f"{SMALL}/pool-sampled"),

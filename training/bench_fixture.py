@@ -21,8 +21,9 @@ that temperature -> its predictor labels (along that text, its SSMs' sampled cha
 acceptance at the profile's sampling temperature, the sampled rule of ALGORITHMS.md 5; greedy
 match lengths had ranked its SSMs otherwise than their sampled chains accept, and greedy text
 had shown the predictor states sampled requests never meet) -> its predictor -> its
-hardware profile (`specboost profile`) -> its export (no Sequoia vectors). Distillation folders
-and steps are named as `distill` names a run (`default_out_name`: the sets joined with "+").
+hardware profile (the greedy pool's figures, `specboost profile --like`: the same sizes) -> its
+export (no Sequoia vectors). Distillation folders and steps are named as `distill` names a run
+(`default_out_name`: the sets joined with "+").
 Everything but the reference LLM goes into the cache folder ARTIFACTS/bench-fixture/<fixture>.
 
 A step that finishes writes `done/<step>.json` (atomically) with its command and duration; a
@@ -237,14 +238,16 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             Step(f"predictor{suffix}", train, boosted / "predictor" / "predictor_record.json"),
         ]
 
-    def profile(boosted: Path, models: list[str], sampled: bool) -> tuple[str, ...]:
+    def profile(boosted: Path, models: list[str], like: Path | None = None) -> tuple[str, ...]:
         """`specboost profile` of these SSMs beside the LLM, measured at the suite's thread count,
-        eager and compiled (the suite has compiled learned rows); the sampled chains' tables only
-        for the pool that serves the suite's sampled rows."""
+        eager and compiled (the suite has compiled learned rows), with the sampled chains' tables
+        (for the pool that serves the suite's sampled rows). The pools' SSMs have one size, so the
+        sampled pool's takes the greedy one's figures (`like`) rather than compiling and timing the
+        same passes again (444 s of the quick fixture's build)."""
         out = str(boosted / PROFILE_FILE)
         return (
             *_module("decoder.cli", "profile", "--llm", llm, "--ssm", *models, "--out", out),
-            *("--threads", t, "--compile", *(("--sampled",) if sampled else ())),
+            *("--threads", t, "--compile", "--sampled", *(("--like", str(like)) if like else ())),
         )
 
     def export(boosted: Path, out: Path, suffix: str = "") -> Step:
@@ -285,7 +288,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
         ),
         distill(spec.predictor_prompts),
         *predictor_steps(pool, ssms, labels),
-        Step("profile", profile(pool, ssms, False), pool / PROFILE_FILE),
+        Step("profile", profile(pool, ssms), pool / PROFILE_FILE),
         Step("sequoia-acceptance", sequoia, pool / ACCEPTANCE_FILE, speed),
         export(pool, paths.export),
         Step("generalist", generalist, paths.generalist / "boost_record.json", speed),
@@ -310,7 +313,7 @@ def fixture_steps(name: str, artifacts: Path, threads: int, build_threads: int |
             # beams' greedy labels would need the LLM's greedy continuation, which sampled text leaves).
             ("--temperature", str(SAMPLED_TEMPERATURE), "--widths", "1"),
         ),
-        Step("profile-sampled", profile(sampled, sampled_ssms, True), sampled / PROFILE_FILE),
+        Step("profile-sampled", profile(sampled, sampled_ssms, pool / PROFILE_FILE), sampled / PROFILE_FILE),
         export(sampled, paths.sampled_export, "-sampled"),
     ]
 
