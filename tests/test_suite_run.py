@@ -15,6 +15,7 @@ from test_export_pool import add_predictor_and_profile, make_boost
 
 from specboost.decoder.bench.diversity import greedy_outputs, pool_diversity
 from specboost.decoder.bench.methods import Models, generate_method
+from specboost.decoder.bench.protocol import compiled_graphs
 from specboost.decoder.bench.records import GREEDY, Decoding
 from specboost.decoder.bench.suite import SuiteConfig, measured_tv, oracle_decoder, oracle_method
 from specboost.decoder.bench.workloads import Prompt, encode_batches
@@ -57,8 +58,10 @@ def test_the_suite_runs_every_method_on_given_models(
     suite_file.write_text(json.dumps(settings))
     out = tmp_path / "report"
     argv = ["bench", "--suite", str(suite_file), "--llm", str(llm), "--pool", str(pool), "--out", str(out)]
+    graphs = compiled_graphs()
     assert main([*argv, "--max-new-tokens", str(MAX_NEW), "--chain-length", "3"]) == 0
     assert "Models given: LLM" in capsys.readouterr().out
+    assert compiled_graphs() == graphs  # "compiled": False holds for every row, the engine's too
 
     record = json.loads((out / "suite.json").read_text())
     config = record["config"]

@@ -20,7 +20,8 @@ greedy outputs only); sampled only, k-sequential verification (`pool_chain+kseq`
 chains of SSM 0 (`chain[0]x3`, MSS and `+kseq`: the drafted tokens of a 3-SSM `pool_chain`).
 Batch > 1: plain batched `generate` against the pool's chains as one ragged batch (BASS, eager and
 compiled), the pipelined engine (Minions: two groups of half the batch) and the learned scheduler,
-compiled, on the ragged batch and in the serving engine with one group of the whole batch
+compiled (the engine's eager in a suite without compiled rows), on the ragged batch and in the
+serving engine with one group of the whole batch
 (`learned+engine`: compiled passes in two groups whose rows join and leave at different steps meet a
 new shape at almost every round, docs/limitations.md). Every table's "vs best fixed" is against its
 fastest row that is not the learned scheduler's, measured in the same run. A method that cannot run
@@ -313,7 +314,7 @@ class SuiteConfig(Protocol):
             if self.methods is None:  # the suite's own rows only: the drafting cost line
                 probe = encode_batches(next(iter(workloads.values())).prompts[:1], models.tokenizer, 1, 16)[0]
                 out["ssm_token_seconds"] = ssm_token_seconds(
-                    models, probe.input_ids.to(self.device), self.repeats
+                    models, probe.input_ids.to(self.device), self.repeats, self.compiled
                 )
             return out
 
@@ -423,16 +424,18 @@ def candidates(
         out["engine"] = lambda: engine_method(
             "engine", engine_description, models, engine, max_new, decoding, shape=chain
         )
+        # Compiled as the suite's compiled rows are: a suite without them (`compiled=False`) had
+        # still compiled this row's graphs (a test's suite of tiny models: over 12 minutes, 68 s since).
         learned_engine = functools.partial(
             engine_method,
             "learned+engine",
-            f"learned scheduler, serving engine: 1 group of {size}, compiled",
+            f"learned scheduler, serving engine: 1 group of {size}{', compiled' if config.compiled else ''}",
             models,
             EngineConfig(batch_size=size, num_groups=1, pipeline=False),
             max_new,
             decoding,
             strategy="learned",
-            compile=True,
+            compile=config.compiled,
         )
         out["learned+engine"] = functools.partial(_with_predictor, models, learned_engine)
         return out | learned_rows(models, ours, size)
@@ -612,11 +615,13 @@ def teacher_forced(model: PreTrainedModel, ids: torch.Tensor, n: int, probs: Log
     return probs.along(logits, ids, ids.shape[1] - n)[0]
 
 
-def ssm_token_seconds(models: Models, prompt: torch.Tensor, repeats: int) -> dict[str, list[float]]:
-    """Per SSM, seconds per token of its own plain decoding with a static cache, eager and compiled
-    (what a drafted token is held against): the median of `repeats` interleaved runs of `generate`
-    on `prompt` [1, L], after one untimed run each."""
-    runs = {"static": STATIC_EAGER, "compiled": static_compiled(prompt.device)}
+def ssm_token_seconds(
+    models: Models, prompt: torch.Tensor, repeats: int, compiled: bool
+) -> dict[str, list[float]]:
+    """Per SSM, seconds per token of its own plain decoding with a static cache, eager and (with
+    `compiled`, for the compiled rows) compiled (what a drafted token is held against): the median
+    of `repeats` interleaved runs of `generate` on `prompt` [1, L], after one untimed run each."""
+    runs = {"static": STATIC_EAGER} | ({"compiled": static_compiled(prompt.device)} if compiled else {})
     times: dict[str, list[list[float]]] = {kind: [[] for _ in models.ssms] for kind in runs}
     kwargs = dict(max_new_tokens=SSM_PROBE_TOKENS, min_new_tokens=SSM_PROBE_TOKENS, do_sample=False)
     with torch.inference_mode():
