@@ -217,6 +217,7 @@ def profile(
         ssms=[model_name(s) for s in ssms],
         llm_cost_key=cost_key(llm),
         ssm_cost_keys=[cost_key(s) for s in ssms],
+        repeats=config.repeats,
         batch_sizes=batch_sizes,
         chain_nodes=config.chain_nodes,
         chain_depths=list(config.depths),
@@ -286,6 +287,12 @@ def reused_profile(
     for what, (theirs, ours) in wanted.items():
         if theirs != ours:
             raise ValueError(f"it was measured with another {what}")
+    if like.repeats is None:
+        raise ValueError("it does not record how many rounds it timed (measured before it did)")
+    if like.repeats < config.repeats:
+        raise ValueError(
+            f"its medians are of {like.repeats} timed rounds, fewer than the {config.repeats} asked"
+        )
     missing = [
         name
         for name, asked in (

@@ -85,6 +85,7 @@ class CostModel:
     # same architectures may reuse the profile (`specboost profile --like`). None, []: not recorded.
     llm_cost_key: str | None = None
     ssm_cost_keys: list[str] = field(default_factory=list)
+    repeats: int | None = None  # timed rounds each median is of (None: not recorded)
     # Chain tables (section 5.3); empty in profiles measured before they existed.
     batch_sizes: list[int] = field(default_factory=list)  # rows measured, increasing
     chain_nodes: list[int] = field(default_factory=list)  # chain sizes verified (root included)

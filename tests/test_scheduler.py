@@ -189,8 +189,8 @@ def test_profile_times_one_ssm_of_each_architecture() -> None:
 
 def test_a_profile_serves_a_pool_of_the_same_architectures_and_no_other() -> None:
     """`specboost profile --like`: another pool of the same sizes beside an LLM of the same size
-    takes a profile's figures, its SSMs matched by architecture in any order; another size, or a
-    table the profile lacks, is refused with the reason."""
+    takes a profile's figures, its SSMs matched by architecture in any order; another size, a
+    table the profile lacks or fewer timed rounds than asked, is refused with the reason."""
     llm, ssms = tiny_llama(layers=2), [tiny_llama(layers=1, seed=1), tiny_llama(layers=2, seed=2)]
     config = ProfileConfig(WIDTHS, DEPTHS, (1, 4), prefix_length=4, repeats=1, batch_sizes=(1, 2))
     cost = profile(llm, ssms, config, show_progress=False)
@@ -210,6 +210,11 @@ def test_a_profile_serves_a_pool_of_the_same_architectures_and_no_other() -> Non
         reused_profile(cost, llm, ssms, replace(config, sampled=True))
     with pytest.raises(ValueError, match="does not record"):
         reused_profile(replace(cost, llm_cost_key=None), llm, ssms, config)
+    with pytest.raises(ValueError, match="of 1 timed rounds, fewer than the 3 asked"):
+        reused_profile(cost, llm, ssms, replace(config, repeats=3))
+    with pytest.raises(ValueError, match="how many rounds"):
+        reused_profile(replace(cost, repeats=None), llm, ssms, config)
+    assert reused_profile(replace(cost, repeats=5), llm, ssms, config).repeats == 5  # more rounds serve
 
 
 # The choice -------------------------------------------------------------------------------------
