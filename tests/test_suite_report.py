@@ -4,6 +4,7 @@ speedups, the identical-output check and per-position acceptance."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import asdict, replace
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
+from specboost.decoder.bench import protocol as protocol_module
 from specboost.decoder.bench.diversity import summarise_matches, walk_steps, walks_at
 from specboost.decoder.bench.markdown import (
     HEADLINE_MARKERS,
@@ -724,3 +726,18 @@ def test_the_methods_run_in_shuffled_orders_and_are_judged_against_the_first() -
         (i, k, m.name) for i in range(3) for k in range(4) for m in methods
     ]
     assert {r.method for r in records if not r.identical} == {"other"}
+
+
+def test_a_slow_warm_up_is_logged_with_its_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method whose warm-up takes a second or more gets a log line with its seconds and the graphs
+    it compiled (a compiled table's warm-ups take minutes on a 2-core CPU); a quick one gets none."""
+    clock = itertools.chain([0.0, 0.2, 10.0, 13.5], itertools.count(20.0))  # then the timed runs'
+    monkeypatch.setattr(protocol_module.time, "perf_counter", lambda: next(clock))
+    graphs = itertools.chain([4, 4, 7], itertools.repeat(7))  # quick: before; slow: before, after
+    monkeypatch.setattr(protocol_module, "compiled_graphs", lambda: next(graphs))
+    methods = [Method(name, name, lambda _: MethodResult([[1]], 1, [0.0])) for name in ("quick", "slow")]
+    lines: list[str] = []
+    item = BatchEncoding({"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+    _, warmups = measure(methods, [item], Protocol(repeats=1, warmup=1), lines.append)
+    assert warmups == {"quick": pytest.approx(0.2), "slow": pytest.approx(3.5)}
+    assert [line for line in lines if line.startswith("warm-up")] == ["warm-up slow: 4 s, 3 graphs compiled"]

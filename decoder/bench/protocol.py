@@ -35,6 +35,10 @@ from specboost.decoder.bench.summary import Table, tables
 from specboost.speculator.loading import DTYPES
 
 Log = Callable[[str], None]
+# A method's warm-up that takes this long (seconds) is logged: compiling its graphs takes minutes on
+# a 2-core CPU (a batch-8 table's warm-ups took about 15 minutes a category on a slow host, the
+# suite saying nothing meanwhile), and the log then shows where they go.
+WARMUP_LOGGED = 1.0
 # The methods of a cell run in an order shuffled for every item and repeat, from this seed. In a
 # fixed order every method always ran right after the same one, and on a CPU a run's first steps
 # pay for bringing its models back into the caches after its predecessor's: on the quick fixture
@@ -221,10 +225,14 @@ def measure(
     with torch.inference_mode():
         for _ in range(protocol.warmup):
             for method in methods:
-                start = time.perf_counter()
+                start, graphs = time.perf_counter(), compiled_graphs()
                 for item in items if method.compiled or method.warm_every_item else [warmup_item or items[0]]:
                     method.run(item)
-                warmups[method.name] = warmups.get(method.name, 0.0) + time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                warmups[method.name] = warmups.get(method.name, 0.0) + seconds
+                if seconds >= WARMUP_LOGGED:
+                    built = compiled_graphs() - graphs
+                    log(f"warm-up {method.name}: {seconds:.0f} s, {built} graphs compiled")
         order = random.Random(ORDER_SEED)
         for index, item in enumerate(items):
             runs: dict[tuple[int, int], tuple[MethodResult, float, int]] = {}
