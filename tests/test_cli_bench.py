@@ -212,10 +212,13 @@ def test_bench_cli_prints_the_table(
         "1",
     ]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "vs plain" in out and "vs HF assisted" in out
     assert re.search(r"^\| \d+ \| `chain\[1\]` \| [\d.]+ \| [\d.]+", out, re.MULTILINE)
     assert (tmp_path / "bench.json").is_file()
+    # the table was written as it finished, and the partial report removed once the whole one was
+    assert f"[bench] the tables so far: {tmp_path / 'report.partial.md'}" in err
+    assert not (tmp_path / "report.partial.md").exists() and (tmp_path / "report.md").is_file()
 
 
 def test_bench_config_rejects_unknown_methods(tmp_path: Path) -> None:

@@ -31,7 +31,15 @@ from specboost.decoder.bench.markdown import (
     speculative,
 )
 from specboost.decoder.bench.protocol import GREEDY, Plan, Protocol, Report, measure, run_cells
-from specboost.decoder.bench.records import Cell, CellRun, Method, MethodResult, RunRecord, row_stats
+from specboost.decoder.bench.records import (
+    Cell,
+    CellRun,
+    Method,
+    MethodResult,
+    MethodSet,
+    RunRecord,
+    row_stats,
+)
 from specboost.decoder.bench.suite import SuiteConfig
 from specboost.decoder.bench.summary import (
     Spread,
@@ -753,3 +761,20 @@ def test_a_slow_warm_up_is_logged_with_its_graphs(monkeypatch: pytest.MonkeyPatc
     assert [line for line in lines if line.startswith("warm-up")] == [
         f"warm-up slow: {warmups['slow']:.0f} s, 3 graphs compiled"
     ]
+
+
+def test_each_finished_table_is_handed_over_as_the_run_goes() -> None:
+    """After each table (a decoding and batch size: all its categories) the cells run so far are
+    handed over, so that a run stopped midway keeps its finished tables (report.partial.md)."""
+    item = BatchEncoding({"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+    methods = [Method(name, name, lambda _: MethodResult([[1]], 1, [0.0])) for name in ("plain", "x")]
+    plan = Plan(
+        [(GREEDY, 1), (GREEDY, 2)], ["stories", "qa"], lambda *_: [item], lambda *_: MethodSet(methods), {}
+    )
+    seen: list[list[tuple[str, int]]] = []
+
+    def finished(runs: list[CellRun], _) -> None:
+        seen.append([(run.cell.category, run.cell.batch_size) for run in runs])
+
+    run_cells(plan, Protocol(repeats=1, warmup=0), lambda _: None, finished)
+    assert seen == [[("stories", 1), ("qa", 1)], [("stories", 1), ("qa", 1), ("stories", 2), ("qa", 2)]]

@@ -122,12 +122,27 @@ class Protocol:
     def plan(self, artifacts: Path, log: Log) -> Plan:
         raise NotImplementedError
 
-    def run(self, log: Log = print, artifacts: Path = Path("artifacts")) -> Report:
+    def run(
+        self,
+        log: Log = print,
+        artifacts: Path = Path("artifacts"),
+        on_table: Callable[[Report], None] | None = None,
+    ) -> Report:
+        """Plan, then run every cell. `on_table` gets the report of the tables finished so far after
+        each table, so that a run stopped midway keeps them (`specboost bench` writes it as
+        report.partial.md: the quick suite from a cold compile cache had been stopped after 106
+        minutes with three tables finished and none written)."""
         start = time.perf_counter()
         with torch_threads(self.threads):  # before anything loads: a pool's profile is per thread count
             plan = self.plan(artifacts, log)
             machine = machine_info(self.dtype, self.device)
-            runs, skipped = run_cells(plan, self, log)
+
+            def finished(runs: list[CellRun], skipped: dict[str, dict[str, str]]) -> None:
+                if on_table is not None:
+                    seconds = time.perf_counter() - start
+                    on_table(Report(self, machine, plan.models, list(runs), skipped, seconds, plan.fixture))
+
+            runs, skipped = run_cells(plan, self, log, finished)
             report = Report(self, machine, plan.models, runs, skipped, fixture=plan.fixture)
             report.results = plan.results(report)
         report.seconds = time.perf_counter() - start
@@ -167,7 +182,14 @@ def one_cell(
     return Plan([(GREEDY, 1)], [category], lambda *_: items, methods, models, results=results)
 
 
-def run_cells(plan: Plan, protocol: Protocol, log: Log) -> tuple[list[CellRun], dict[str, dict[str, str]]]:
+def run_cells(
+    plan: Plan,
+    protocol: Protocol,
+    log: Log,
+    finished: Callable[[list[CellRun], dict[str, dict[str, str]]], None] = lambda *_: None,
+) -> tuple[list[CellRun], dict[str, dict[str, str]]]:
+    """Every cell of `plan`, table by table (a decoding and batch size: its categories); after each
+    table that ran, `finished` gets the cells run so far and the skipped methods' reasons."""
     """Per decoding and batch size, every category with one method set (so a method's state, a
     weighted majority's weights, carries over from category to category as in serving)."""
     runs: list[CellRun] = []
@@ -198,6 +220,8 @@ def run_cells(plan: Plan, protocol: Protocol, log: Log) -> tuple[list[CellRun], 
                 plan.warmup_item,
             )
             runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records, warmups))
+        if runs:
+            finished(runs, skipped)
     if not runs:  # a report needs a table: say why there is none rather than write an empty one
         reasons = "; ".join(f"{where}: {why}" for where, notes in skipped.items() for why in notes.values())
         raise ValueError(f"nothing was measured, every cell was skipped ({reasons})")
