@@ -188,10 +188,10 @@ def run_cells(
     log: Log,
     finished: Callable[[list[CellRun], dict[str, dict[str, str]]], None] = lambda *_: None,
 ) -> tuple[list[CellRun], dict[str, dict[str, str]]]:
-    """Every cell of `plan`, table by table (a decoding and batch size: its categories); after each
-    table that ran, `finished` gets the cells run so far and the skipped methods' reasons."""
-    """Per decoding and batch size, every category with one method set (so a method's state, a
-    weighted majority's weights, carries over from category to category as in serving)."""
+    """Per decoding and batch size (a table), every category with one method set (so a method's
+    state, a weighted majority's weights, carries over from category to category as in serving);
+    after each table that ran, `finished` gets the cells run so far and the skipped methods'
+    reasons."""
     runs: list[CellRun] = []
     skipped: dict[str, dict[str, str]] = {}
     exact = protocol.dtype not in ("bfloat16", "float16")  # low precision: agreement with float32
