@@ -25,8 +25,7 @@ import torch
 from specboost import __version__
 from specboost.decoder.bench.configurations import FILE_BENCH, FILE_BENCH_OPTIONS, SUITES, resolve_suite
 from specboost.decoder.bench.cost_standin import StandinShape, write_standin
-from specboost.decoder.bench.markdown import PARTIAL_REPORT, write_partial_report
-from specboost.decoder.bench.protocol import Protocol, Report
+from specboost.decoder.bench.protocol import PARTIAL_REPORT, Protocol, Report
 from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SHAPE_KINDS, PoolDefaults, SSMPool
@@ -732,18 +731,16 @@ def bench(args: argparse.Namespace) -> int:
             print(f"the suite would run on the fixture {config.fixture}: {paths['llm']}, {paths['export']}")
         return 0
     out = args.out or args.artifacts / config.folder()
-    partial = out / PARTIAL_REPORT
 
     def on_table(so_far: Report) -> None:
-        write_partial_report(so_far, partial)
-        print(f"[bench] the tables so far: {partial}", file=sys.stderr)
+        if (partial := config.write_partial(so_far, out)) is not None:
+            print(f"[bench] the tables so far: {partial}", file=sys.stderr)
 
-    written = on_table if isinstance(config, SuiteConfig) else None  # the others: reports of their own
     report = config.run(
-        log=lambda line: print(line, file=sys.stderr), artifacts=args.artifacts, on_table=written
+        log=lambda line: print(line, file=sys.stderr), artifacts=args.artifacts, on_table=on_table
     )
     print(config.write(report, out, args.readme))
-    partial.unlink(missing_ok=True)
+    (out / PARTIAL_REPORT).unlink(missing_ok=True)
     print(f"wrote {out}")
     if differing := report.differing():
         print(f"error: greedy output differs from plain llm.generate for {differing}", file=sys.stderr)

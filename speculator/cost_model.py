@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from specboost.speculator.atomic_files import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -225,10 +226,9 @@ def save_cost_model(model: CostModel, path: str | Path) -> None:
     path = Path(path)
     profiles = _read(path)["profiles"] if path.is_file() else {}
     profiles[model.device] = asdict(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "profiles": profiles}, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(
+        path, json.dumps({"format_version": FORMAT_VERSION, "profiles": profiles}, indent=2) + "\n"
+    )
 
 
 def _read(path: Path) -> dict:

@@ -353,18 +353,6 @@ def models_line(report: Report) -> str:
     )
 
 
-PARTIAL_REPORT = "report.partial.md"  # the tables finished so far, while a run goes on
-
-
-def write_partial_report(report: Report, path: Path) -> None:
-    """The report of the tables finished so far, written atomically to `path` (`Protocol.run`'s
-    `on_table`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(markdown_report(report))
-    os.replace(tmp, path)
-
-
 def markdown_report(report: Report, level: int = 1, algorithms: str = ALGORITHMS_PAGE.as_posix()) -> str:
     """The report: machine first, then one table per decoding and batch size (with the fastest
     single chain per category), then each pool's diversity (`diversity_markdown`), then what was

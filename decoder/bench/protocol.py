@@ -35,6 +35,7 @@ from specboost.decoder.bench.summary import Table, tables
 from specboost.speculator.loading import DTYPES
 
 Log = Callable[[str], None]
+PARTIAL_REPORT = "report.partial.md"  # the tables finished so far, while a run goes on
 # A method's warm-up that takes this long (seconds) is logged: compiling its graphs takes minutes on
 # a 2-core CPU (a batch-8 table's warm-ups took about 15 minutes a category on a slow host, the
 # suite saying nothing meanwhile), and the log then shows where they go.
@@ -121,6 +122,11 @@ class Protocol:
 
     def plan(self, artifacts: Path, log: Log) -> Plan:
         raise NotImplementedError
+
+    def write_partial(self, report: Report, out: Path) -> Path | None:
+        """The tables finished so far (`run`'s `on_table`) into `out` as PARTIAL_REPORT; returns
+        the file, or None where the configuration writes none (its report is of its own making)."""
+        return None
 
     def run(
         self,

@@ -71,7 +71,7 @@ from specboost.decoder.bench.plots import (
     plot_tokens_per_step,
     weight_histories,
 )
-from specboost.decoder.bench.protocol import Log, Plan, Protocol, Report, build_methods
+from specboost.decoder.bench.protocol import PARTIAL_REPORT, Log, Plan, Protocol, Report, build_methods
 from specboost.decoder.bench.records import GREEDY, Decoding, Method, MethodSet
 from specboost.decoder.bench.summary import HF_ASSISTED, LOOP_PLAIN, PLAIN
 from specboost.decoder.bench.workloads import (
@@ -87,6 +87,7 @@ from specboost.decoder.engine import EngineConfig
 from specboost.decoder.generation_options import resolve
 from specboost.decoder.loop import BatchConfig
 from specboost.decoder.strategies import DRAFTING, StrategyOptions
+from specboost.speculator.atomic_files import write_text_atomic
 from specboost.speculator.oracle_router import OracleRouter
 from specboost.speculator.sampling import LogitsToProbs
 from specboost.speculator.shapes import BeamShape, ChainShape, TopologyShape
@@ -360,6 +361,11 @@ class SuiteConfig(Protocol):
         return build_methods({name: make for name, make in made.items() if self.wanted(name)}, probe)
 
     # Writing ----------------------------------------------------------------------------------------
+    def write_partial(self, report: Report, out: Path) -> Path:
+        path = out / PARTIAL_REPORT
+        write_text_atomic(path, markdown_report(report))
+        return path
+
     def write(self, report: Report, out: Path, readme: Path | None = None) -> str:
         """suite.json (bench.json for a prompt file), report.md and the plots into `out`; with a
         `readme`, also the whole report into the results page beside it (docs/results.md) and the
