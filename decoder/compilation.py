@@ -3,7 +3,9 @@ fixed shapes (PERFORMANCE.md: static caches and compiled steps are where the fas
 back a step's overhead).
 
 Every pass feeds a `TreeCache` whose shapes come from a few buckets (rows and nodes padded to powers
-of two, capacities to multiples of 128), so a handful of graphs cover every shape and strategy.
+of two, capacities to multiples of 32 or 128), so a handful of graphs cover every shape and strategy;
+on the CPU the capacity is a dynamic size of the graphs (`dynamic_capacity`), so one graph serves
+every capacity.
 What is compiled is the whole tree pass (`speculator.kv_cache.tree_pass`: the tree-attention mask
 and the model's forward), so that the mask is built inside the graph. On CUDA with CUDA graphs
 (`mode="reduce-overhead"`); on the CPU with inductor's C++ wrapper (`cpp_wrapper`), which calls the
@@ -24,6 +26,7 @@ import itertools
 import os
 import shutil
 import weakref
+from collections.abc import Callable
 from types import FunctionType
 from typing import Literal
 
@@ -99,7 +102,11 @@ class ModelCalls:
             # measured (speculator/chain_block.py); on CUDA they are not measured yet.
             block = functools.partial(compiled_block, model.device) if model.device.type == "cpu" else None
             self._calls[id(model)] = CompiledPass(
-                make, store=shared_functions(model), make_chain=block, make_sampled=block
+                make,
+                store=shared_functions(model),
+                make_chain=block,
+                make_sampled=block,
+                dynamic_capacity=dynamic_capacity(model.device),
             )
         return self._calls[id(model)]
 
@@ -240,15 +247,33 @@ def chain_blocks(longest: int) -> set[int]:
 
 def compiled_block(device: torch.device) -> ChainFunction:
     """`torch.compile` of a copy of `chain_block` of its own, compiled as `compiled_tree_pass` is:
-    `CompiledPass` asks for one per model, block, (rows, capacity), and argmax or a sampled block's
-    processing (top-k, top-p on)."""
-    return torch.compile(own_code(chain_block), fullgraph=False, dynamic=False, **compile_options(device))
+    `CompiledPass` asks for one per model, block, rows (and capacity where it is static), and argmax
+    or a sampled block's processing (top-k, top-p on)."""
+    return compile_function(chain_block, device)
 
 
 def compiled_tree_pass(device: torch.device) -> PassFunction:
     """`torch.compile` of a copy of `tree_pass` of its own: `CompiledPass` asks for one per model
     and pass key."""
-    return torch.compile(own_code(tree_pass), fullgraph=False, dynamic=False, **compile_options(device))
+    return compile_function(tree_pass, device)
+
+
+def compile_function(function: FunctionType, device: torch.device) -> Callable[..., object]:
+    """`torch.compile` of a copy of `function` (`own_code`) for `device`: static shapes, but for
+    the cache capacity where it is dynamic (`dynamic_capacity`; `dynamic=None` lets the marked size
+    stay symbolic, and nothing else is marked, nor varies within one function's calls)."""
+    dynamic = None if dynamic_capacity(device) else False
+    return torch.compile(own_code(function), fullgraph=False, dynamic=dynamic, **compile_options(device))
+
+
+def dynamic_capacity(device: torch.device) -> bool:
+    """Whether the compiled passes take the cache capacity as a dynamic size: on the CPU, where
+    it was measured. A graph per capacity had compiled every expected pass again at each capacity
+    a table's prompts met (quick-r38: 200 graphs, about 32 s each on a slow host); one graph for
+    every capacity compiled as fast and ran its steps as fast (docs/results.md, "Capacity as a
+    dynamic size"). On CUDA, where CUDA graphs record one graph per size anyway, it is not measured
+    yet."""
+    return device.type == "cpu"
 
 
 def own_code(function: FunctionType) -> FunctionType:

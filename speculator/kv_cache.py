@@ -17,8 +17,9 @@ stays exact.
 
 With a compiled model call, shapes are kept to a few buckets (rows padded to powers of two, fed
 nodes and the fed nodes they may see to `NODE_BUCKETS`, the capacity to multiples of
-`CAPACITY_STEP`), so that the compiled model sees a handful of shapes; eager passes are not padded.
-A compiled call may also name the pass shapes its decoder expects (`CompiledPass`): a cache then
+`CAPACITY_STEP`), so that the compiled model sees a handful of shapes (on the CPU the capacity is
+a dynamic size of its graphs: `CompiledPass.capacity_key`); eager passes are not padded. A
+compiled call may also name the pass shapes its decoder expects (`CompiledPass`): a cache then
 compiles them all the first time any cache of its rows and capacity meets the call.
 """
 
@@ -42,7 +43,7 @@ from specboost.speculator.tree_attention import tree_attention_mask
 
 logger = logging.getLogger(__name__)
 
-CAPACITY_STEP = 128  # capacities are multiples of this by default (one compiled graph per capacity)
+CAPACITY_STEP = 128  # capacities are multiples of this by default (a compiled graph per capacity, if static)
 NODE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # compiled passes: nodes per row, padded
 COMPILED_MAX_NODES = NODE_BUCKETS[-1]  # passes of more nodes per row run eagerly
 COMPILED_MAX_CHAIN = 8  # `feed_chains` of longer chains (prompts: one-off shapes) run eagerly
@@ -105,15 +106,16 @@ class CompiledFunctions:
 
 class CompiledPass:
     """A model's compiled `tree_pass` and the pass shapes its decoder expects (`expected`, empty:
-    none). The first time a cache of some (rows, capacity) meets the call, it compiles every
-    expected shape there, before its own pass: a strategy whose shapes vary from step to step (the
-    learned scheduler) then compiles nothing new once its caches' rows and capacities have been
-    met (`SpeculativeDecoder.warmup`).
+    none). The first time a cache of some (rows, capacity) meets the call, it runs every expected
+    shape there, before its own pass, compiling those not compiled yet: a strategy whose shapes
+    vary from step to step (the learned scheduler) then compiles nothing new once its caches' rows
+    and capacities have been met (`SpeculativeDecoder.warmup`). Where the capacity is a dynamic
+    size (`dynamic_capacity`, `capacity_key`), a capacity met after the first compiles nothing.
 
-    Every pass key (rows, nodes, fed nodes seen, hidden states or not, capacity) gets a function of
-    its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile checks a
-    code object's graphs one after another at every call, and the learned scheduler's LLM call
-    holds dozens (every verify size, with and without hidden states, at every capacity met): in a
+    Every pass key (rows, nodes, fed nodes seen, hidden states or not, capacity if static) gets a
+    function of its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile
+    checks a code object's graphs one after another at every call, and the learned scheduler's LLM
+    call holds dozens (every verify size, with and without hidden states, at every capacity met): in a
     profile of its plain steps on the CPU, dynamo's entry took 0.36 ms a call against 0.23 ms for
     the plain loop's call. The functions live in `store`, which other calls of the same model may
     share (a key compiled by one is not compiled again by the next)."""
@@ -124,8 +126,11 @@ class CompiledPass:
         store: CompiledFunctions | None = None,
         make_chain: Callable[[], ChainFunction] | None = None,
         make_sampled: Callable[[], ChainFunction] | None = None,
+        dynamic_capacity: bool = False,
     ) -> None:
         self.make = make
+        # Whether `make`'s functions take the capacity as a dynamic size (`capacity_key`).
+        self.dynamic_capacity = dynamic_capacity
         self.store = store or CompiledFunctions()
         self.expected: set[PassShape] = set()
         # The argmax-chain blocks (`CHAIN_BLOCKS` sizes) a decoder expects of a one-row cache, made
@@ -156,7 +161,7 @@ class CompiledPass:
         output_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.head_for(output_hidden)
-        capacity = cache.layers[0].max_cache_len
+        capacity = self.capacity_key(cache)
         key = (*tokens.shape, visible.shape[2], output_hidden, capacity, *(head.key if head else ()))
         function = self.store.functions.get(key) or self._new_function(key, model, output_hidden)
         inputs = (tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden)
@@ -179,7 +184,7 @@ class CompiledPass:
         with `draws` sampled ones and their q; None where the call makes none or its
         functions are full (the caller feeds the tokens one by one)."""
         warp = None if draws is None else draws[0][2:]
-        key = block_key(token.shape[0], steps, cache.layers[0].max_cache_len, warp)
+        key = block_key(token.shape[0], steps, self.capacity_key(cache), warp)
         make = self.make_chain if draws is None else self.make_sampled
         function = self.store.functions.get(key)
         if function is None:
@@ -201,6 +206,23 @@ class CompiledPass:
         if len(draws) < MAX_SAMPLED_WARPS:
             draws.add(warp)
             self.met.clear()
+
+    def capacity_key(self, cache: FullStaticCache) -> int | None:
+        """The capacity part of a pass key: None where the functions take the capacity as a
+        dynamic size, and then the cache's K/V are marked so the first time a call meets them
+        (`torch._dynamo.maybe_mark_dynamic`: a model whose forward specialises on it gets a graph
+        per capacity, as with a static one). Every capacity a cache grows to then runs the graphs
+        already compiled: the quick suite had compiled 200 graphs, each expected pass again at
+        every capacity its prompts met (docs/results.md, "Capacity as a dynamic size")."""
+        if not self.dynamic_capacity:
+            return cache_capacity(cache)
+        if not cache.capacity_marked:
+            for layer in cache.layers:
+                if layer.is_initialized:
+                    torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+                    torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+            cache.capacity_marked = True
+        return None
 
     def head_for(self, output_hidden: bool) -> PassHead | None:
         """The head a pass applies to the hidden states it returns (`head`), if it returns them."""
@@ -324,7 +346,7 @@ def tree_pass(
     lengths, start, width = counts[:rows], counts[rows], counts[rows + 1]
     for layer in cache.layers:
         layer.cumulative_length.copy_(start)  # StaticLayer writes its new K/V there
-    capacity = cache.layers[0].max_cache_len
+    capacity = cache_capacity(cache)
     mask = tree_attention_mask(
         visible, lengths, width, positions, fed_positions, capacity, model.dtype, layout
     )
@@ -350,6 +372,14 @@ class FullStaticCache(StaticCache):
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         Cache.__init__(self, layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+        self.capacity_marked = False  # its K/V marked as of a dynamic capacity (`CompiledPass.capacity_key`)
+
+
+def cache_capacity(cache: StaticCache) -> int:
+    """The keys `cache` holds per row: read off its K/V tensors once they exist, so that a pass
+    compiled with a dynamic capacity (`CompiledPass.capacity_key`) sees the size, not a constant."""
+    layer = cache.layers[0]
+    return layer.keys.shape[2] if layer.is_initialized else layer.max_cache_len
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import noisy_copy, tiny_llama
+from conftest import ARCHITECTURES, noisy_copy, tiny_llama
 from transformers import PreTrainedModel
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
@@ -82,6 +82,31 @@ def test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block(
         for width in (6, 9, 4):
             drafter.draft_greedy([PROMPTS[0]], [width])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("architecture", ["llama", "opt"])
+def test_a_capacity_met_after_the_first_compiles_nothing(architecture: str) -> None:
+    """On the CPU the compiled passes and chain blocks take the cache capacity as a dynamic size
+    (`compilation.dynamic_capacity`): a prompt whose text needs caches larger than the warm-up's
+    (the LLM's and the SSM's) runs the graphs already compiled, and the output is still
+    `llm.generate`'s (OPT: learned positions, a model of another attention code)."""
+    llm = ARCHITECTURES[architecture](layers=2, seed=0).float()
+    dec = SpeculativeDecoder(llm, [noisy_copy(llm, 0.1, seed=1)], shape=ChainShape(4), compile=True)
+    calls = [dec.calls.get(model) for model in (llm, dec.ssms[0])]
+    assert compilation.dynamic_capacity(llm.device) and all(call.dynamic_capacity for call in calls)
+
+    def generate(length: int) -> None:
+        ids = torch.randint(1, 60, (1, length), generator=torch.Generator().manual_seed(length))
+        out = dec.generate(ids, max_new_tokens=24)
+        expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
+        assert torch.equal(out.sequences, expected)
+
+    generate(7)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    met = [set(call.met) for call in calls]
+    generate(150)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert all(call.met > before for call, before in zip(calls, met, strict=True))  # new capacities
 
 
 @pytest.mark.slow
