@@ -9,13 +9,15 @@ graphs is in tests/test_gpu.py."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHITECTURES, noisy_copy, tiny_llama
+from conftest import noisy_copy, tiny_llama, tiny_opt
 from transformers import PreTrainedModel
 
 from specboost.decoder import ChainShape, SpeculativeDecoder, compilation
@@ -24,7 +26,7 @@ from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.chain_router import ChainRouter
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.kv_cache import CompiledPass, PassShape
+from specboost.speculator.kv_cache import CompiledPass, FullStaticCache, PassShape, cache_capacity
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
@@ -84,29 +86,44 @@ def test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block(
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("architecture", ["llama", "opt"])
-def test_a_capacity_met_after_the_first_compiles_nothing(architecture: str) -> None:
+@pytest.mark.parametrize(
+    ("build", "length", "grown"),
+    [(functools.partial(tiny_llama, positions=512), 300, 2), (tiny_opt, 90, 1)],
+    ids=["llama", "opt"],
+)
+def test_a_capacity_met_after_the_first_compiles_nothing(
+    build: Callable[..., PreTrainedModel], length: int, grown: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the CPU the compiled passes and chain blocks take the cache capacity as a dynamic size
-    (`compilation.dynamic_capacity`): a prompt whose text needs caches larger than the warm-up's
-    (the LLM's and the SSM's) runs the graphs already compiled, and the output is still
-    `llm.generate`'s (OPT: learned positions, a model of another attention code)."""
-    llm = ARCHITECTURES[architecture](layers=2, seed=0).float()
+    (`compilation.dynamic_capacity`): a prompt of `length` tokens, whose text needs larger caches
+    than a short one's (the LLM's; the SSM's too where the model's context lets it outgrow the
+    drafter's first capacity: the first `grown` of the two), runs the graphs already compiled, and
+    the output is still `llm.generate`'s (OPT: learned positions, another attention code)."""
+    met: dict[int, set[int]] = {}  # the capacities of the caches each compiled call was called with
+    capacity_key = CompiledPass.capacity_key
+
+    def recorded(self: CompiledPass, cache: FullStaticCache) -> int | None:
+        met.setdefault(id(self), set()).add(cache_capacity(cache))
+        return capacity_key(self, cache)
+
+    monkeypatch.setattr(CompiledPass, "capacity_key", recorded)
+    llm = build(layers=2, seed=0).float()
     dec = SpeculativeDecoder(llm, [noisy_copy(llm, 0.1, seed=1)], shape=ChainShape(4), compile=True)
     calls = [dec.calls.get(model) for model in (llm, dec.ssms[0])]
     assert compilation.dynamic_capacity(llm.device) and all(call.dynamic_capacity for call in calls)
 
-    def generate(length: int) -> None:
-        ids = torch.randint(1, 60, (1, length), generator=torch.Generator().manual_seed(length))
+    def generate(tokens: int) -> None:
+        ids = torch.randint(1, 60, (1, tokens), generator=torch.Generator().manual_seed(tokens))
         out = dec.generate(ids, max_new_tokens=24)
         expected = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
         assert torch.equal(out.sequences, expected)
 
     generate(7)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    met = [set(call.met) for call in calls]
-    generate(150)
+    before = [set(met[id(call)]) for call in calls]
+    generate(length)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert all(call.met > before for call, before in zip(calls, met, strict=True))  # new capacities
+    assert all(met[id(call)] - seen for call, seen in zip(calls[:grown], before, strict=False))
 
 
 @pytest.mark.slow
