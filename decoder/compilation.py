@@ -271,8 +271,8 @@ def dynamic_capacity(device: torch.device) -> bool:
     it was measured. A graph per capacity had compiled every expected pass again at each capacity
     a table's prompts met (quick-r38: 200 graphs, about 32 s each on a slow host); one graph for
     every capacity compiled as fast and ran its steps as fast (docs/results.md, "Capacity as a
-    dynamic size"). On CUDA, where CUDA graphs record one graph per size anyway, it is not measured
-    yet."""
+    dynamic size"). On CUDA the capacity stays static: a dynamic one has not been measured there
+    (with CUDA graphs or without)."""
     return device.type == "cpu"
 
 
