@@ -57,11 +57,13 @@ class RoutedDrafting:
         self._holding = False  # the step drafted the preferred action, decided on nothing
         self._drafting = 0.0
         self._span: tuple[float, int] | None = None  # the gate's step began: when, at which `setup_count()`
+        self._joined = False  # rows joined since the last step: the gate's context is theirs (5.4)
 
     def add(self, rows: list[SequenceState]) -> None:
         """Rows join the group. The gate's next step begins where its drafting does: reading the new
         rows' prompts is the same work whichever regime runs (5.4)."""
         self._span = None
+        self._joined = True
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
         joining = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
@@ -118,6 +120,8 @@ class RoutedDrafting:
         gate = self._gate = self.scheduler.gate(len(rows), self.regime)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         self._holding = self._speculated = False
+        if gate is not None and self._joined:
+            self._context(gate, rows, depths, greedy)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None
             for record in self.records:
@@ -137,6 +141,18 @@ class RoutedDrafting:
         for b, record in enumerate(self.records):
             record.decided(plan.action(b), seconds)
         return self._draft(rows, plan, greedy)
+
+    def _context(
+        self, gate: SpeculationGate, rows: list[SequenceState], depths: list[int], greedy: bool
+    ) -> None:
+        """Rows joined: the router's advantage on their prompts' hidden states, which the LLM's
+        pass over the prompts returns in every regime, is the gate's new context (5.4, "A new
+        context"), which may start a trial of the router."""
+        self._joined = False
+        hidden = [row.hidden for row in rows]
+        if any(state is not None for state in hidden):
+            texts = [row.tokens for row in rows]
+            gate.call_started(self.router.advantage(hidden, depths, texts, not greedy))
 
     def _held(
         self, rows: list[SequenceState], depths: list[int], action: tuple[int, int], greedy: bool

@@ -62,6 +62,7 @@ class ChainPlan:
     predicted: list[list[float]]  # [B][D] the drafting SSM's raw f at every grid depth (rows drafting)
     max_depths: list[float]  # [B] tokens each row may still draft
     profiled: tuple[float, float]  # the profile's (verify, drafting) seconds of the step (5.2)
+    advantage: float = 1.0  # the rule's score of the plan over a plain step's (1: plain)
 
     def action(self, row: int) -> str:
         """Row `row`'s action, as the benchmark's action lines name it."""
@@ -294,6 +295,20 @@ class ChainRouter:
         if pacing is not None and not pacing.due():
             held = None if pacing.held is None else pacing.held.within(max_depths)
             return held if held is not None and any(held.lengths) else self.plain(max_depths)
+        plan = self._rule(hidden, max_depths, texts, behind, sampled)
+        if pacing is not None:
+            pacing.decided(plan, self.max_hold)
+        return plan
+
+    def _rule(
+        self,
+        hidden: list[torch.Tensor | None],
+        max_depths: list[int],
+        texts: list[list[int]] | None,
+        behind: Callable[[], Sequence[Sequence[int]]] | None,
+        sampled: bool,
+    ) -> ChainPlan:
+        """The rule's plan for these rows (`plan`'s arguments), on the estimates as corrected now."""
         self._age()
         lines = None if self.calibration is None else self.calibration.lines  # [S][D] slopes, offsets
         if len(hidden) == 1:
@@ -304,7 +319,7 @@ class ChainRouter:
                 rows = zip(estimates, *lines, strict=True)
                 f = [[min(max(x * b + c, 0.0), most) for x, b, c in zip(*row, strict=True)] for row in rows]
             late = behind()[0] if behind is not None and any(self._costs_one(sampled)[2]) else None
-            plan = self._choose_one(f, estimates, [most], late, sampled)
+            return self._choose_one(f, estimates, [most], late, sampled)
         else:
             raw, cap = self.predict(hidden, texts), np.asarray(max_depths, dtype=np.float64)
             line = (
@@ -312,10 +327,19 @@ class ChainRouter:
             )
             f = np.minimum(line, cap[:, None, None])
             late = behind() if behind is not None and self._costs(len(hidden), sampled)[2].any() else None
-            plan = self.choose(f, raw, cap, late, sampled)
-        if pacing is not None:
-            pacing.decided(plan, self.max_hold)
-        return plan
+            return self.choose(f, raw, cap, late, sampled)
+
+    def advantage(
+        self,
+        hidden: list[torch.Tensor | None],
+        max_depths: list[int],
+        texts: list[list[int]] | None = None,
+        sampled: bool = False,
+    ) -> float:
+        """The rule's score of a step from these states over a plain step's (1: plain decoding is
+        the choice), deciding nothing: the speculation gate's context (ALGORITHMS.md 5.4, "A new
+        context")."""
+        return self._rule(hidden, max_depths, texts, None, sampled).advantage
 
     def choose(
         self,
@@ -342,7 +366,7 @@ class ChainRouter:
         route = self._route(f, verify_s, g * draft, catch_up_s)
         if route is None:
             return self.plain(cap)
-        ssm, d = route
+        ssm, d, advantage = route
         length = int(self.depths[d])
         lengths = [min(length, int(c)) if i != NO_SSM else 0 for i, c in zip(ssm, cap, strict=True)]
         ssm[np.asarray(lengths) == 0] = NO_SSM  # rows with no token left to draft
@@ -356,7 +380,7 @@ class ChainRouter:
             mine = ssm == i
             drafting_s += draft[i, mine.sum(), d] + catch_up[i] * late[mine, i].any()
         profiled = (float(verify[1 + d]), float(drafting_s))
-        return ChainPlan(ssm.tolist(), lengths, int(d), predicted, cap.tolist(), profiled)
+        return ChainPlan(ssm.tolist(), lengths, int(d), predicted, cap.tolist(), profiled, advantage)
 
     def _choose_one(
         self,
@@ -376,7 +400,8 @@ class ChainRouter:
         v, g, v_plain = self.cost_factors
         late = [behind is not None and behind[i] > COMPILED_MAX_CHAIN for i in range(self.num_ssms)]
         mean, overhead = self.stretches.mean, self.overhead.seconds
-        best, choice = 1 / (verify[0] * v_plain), None
+        plain = best = 1 / (verify[0] * v_plain)
+        choice = None
         for i, (estimates, seconds) in enumerate(zip(f, draft, strict=True)):
             extra = (g * catch_up[i] / mean if late[i] else 0.0) + overhead
             for d, (match, drafting) in enumerate(zip(estimates, seconds, strict=True)):
@@ -388,7 +413,7 @@ class ChainRouter:
             return self.plain(cap)
         i, d = choice
         profiled = (verify[1 + d], draft[i][d] + (catch_up[i] if late[i] else 0.0))
-        return ChainPlan([i], [length], d, [raw[i]], cap, profiled)
+        return ChainPlan([i], [length], d, [raw[i]], cap, profiled, best / plain)
 
     def held(self, ssm: int, depth_index: int, max_depths: Sequence[float], sampled: bool) -> ChainPlan:
         """SSM `ssm`'s chain of grid depth `depth_index` for every row, decided on nothing: the
@@ -417,11 +442,11 @@ class ChainRouter:
 
     def _route(
         self, f: np.ndarray, verify: np.ndarray, draft: np.ndarray, catch_up: np.ndarray
-    ) -> tuple[np.ndarray, int] | None:
+    ) -> tuple[np.ndarray, int, float] | None:
         """A batch: the best (depth, SSM set) routing, then K = 0 per row; None if plain is better.
         Costs are corrected: `verify` [D + 1], `draft` [S, B + 1, D], `catch_up` [B, S] (an SSM's
         one catch-up pass is eager if any row routed to it is far behind). Returns each row's SSM
-        (NO_SSM: none) and the depth index."""
+        (NO_SSM: none), the depth index and the routing's score over a plain step's."""
         rows = f.shape[0]
         masked = np.where(self.subsets[:, None, :, None], f[None], -np.inf)  # [U, B, S, D]
         best = masked.argmax(2)  # [U, B, D] each row's SSM in U
@@ -437,6 +462,7 @@ class ChainRouter:
         u, d = np.unravel_index(score.argmax(), score.shape)
         if rows / verify[0] >= score[u, d]:
             return None
+        advantage = float(score[u, d] * verify[0] / rows)
         ssm, e = best[u, :, d].copy(), gain[u, :, d]
         counts = routed[u, d].copy()
         tokens_kept, verify_s, drafting_s = float(tokens[u, d]), float(verify[1 + d]), float(drafting[u, d])
@@ -450,7 +476,7 @@ class ChainRouter:
                 break
             ssm[b], counts[i] = NO_SSM, counts[i] - 1
             tokens_kept, drafting_s = tokens_kept - e[b], drafting_s - marginal
-        return ssm, int(d)
+        return ssm, int(d), advantage
 
     def observe(
         self,

@@ -49,6 +49,12 @@ and each model's weights come back into the CPU's caches: on the quick fixture t
 window after plain ones ran 8-13% below its next three), so a trial judged on its first window
 judged the switch, not the regime, and lost where the two were near; what those steps cost still
 counts in a lost trial's loss.
+A trial ends once it has lost: when its window has taken LOST_AFTER times what the better regime
+takes for a whole window (`_lost_already`), so that one trial costs about a window and a half of
+the better regime at most, whatever it meets. And what is owed prices exploring where nothing
+changes; a workload does change (texts the SSMs serve badly, then texts they serve well): each call
+tells the gate the router's predicted advantage on its prompt (`call_started`), and, off, a call
+CONTEXT_MARGIN times more promising than the one where the router last lost is a trial at once.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
 (greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
@@ -68,6 +74,8 @@ EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a
 MAX_STREAK = 8  # after the n-th trial lost in a row exploring may cost EXPLORE_SHARE / min(n, MAX_STREAK)
 MIN_WAIT = 2  # windows of the better regime before the other is tried again, however cheap its trials
 MAX_WAIT = 512  # windows of the better regime after which the other is tried whatever its last trial cost
+LOST_AFTER = 1.5  # a trial ends once its window took this many times the better regime's for a window
+CONTEXT_MARGIN = 1.25  # a call this many times more promising than where the router lost is tried at once
 
 
 @dataclass
@@ -119,6 +127,11 @@ class SpeculationGate:
         self._switch = [0.0, 0.0]  # tokens, seconds of the settling since the last switch
         self._settling = 0.0  # tokens per row still to settle
         self.windows = 0  # windows measured
+        # The router's advantage (`ChainPlan.advantage`) at the newest call's start, and at the one
+        # where it last lost to plain decoding (None: it has not): `call_started`.
+        self.context = 1.0 if like is None else like.context
+        self.lost_context = None if like is None else like.lost_context
+        self.context_trials = 0
 
     def step(self, tokens: float, seconds: float) -> None:
         """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
@@ -137,7 +150,7 @@ class SpeculationGate:
         window = self._window
         window[0] += tokens
         window[1] += seconds
-        if window[0] < self.window:
+        if window[0] < self.window and not self._lost_already():
             return
         for regime, throughput in self.measured.items():
             throughput.decay(MOMENTUM if regime == self.on else IDLE_DECAY)
@@ -149,6 +162,35 @@ class SpeculationGate:
         self._choose(window[0] + switch[0], window[1] + switch[1])
         if self.on != running:
             self._settling = self.settle
+
+    def call_started(self, advantage: float) -> None:
+        """New rows start (a call, or rows joining a batch): `advantage` is the router's rule's score
+        of their first step over a plain step's (`ChainRouter.advantage`), from the hidden states
+        of their prompts, which every regime computes. Off (not on trial: then the router is the
+        better regime, and runs after the trial), where the router last lost at a context of
+        advantage A, a call of advantage CONTEXT_MARGIN x A or more is a trial of the router now,
+        whatever is owed: what is owed prices exploring where nothing changes, and a workload that
+        moves from texts the SSMs serve badly to texts they serve well is such a change. A context
+        trial that loses is owed for like any other, and its context is the new A, so that the next
+        one needs a still more promising call."""
+        self.context = advantage
+        promising = self.lost_context is not None and advantage >= CONTEXT_MARGIN * self.lost_context
+        if self.on or self.trial or not promising:
+            return
+        self.measured[False].add(*self._window)  # off's window so far is off's evidence
+        self._window, self._switch = [0.0, 0.0], [0.0, 0.0]
+        self.on, self.trial, self.since, self._settling = True, True, 0, self.settle
+        self.context_trials += 1
+
+    def _lost_already(self) -> bool:
+        """Whether the trial running has taken longer in its window than the better regime takes
+        for a whole window: whatever it emits next, its window's rate is the lower, and it ends
+        now, judged on what it measured. A trial that met a call its regime serves badly had run
+        its whole window: on quick-r39 (greedy, batch 1) a held chain of 16 on an instructions
+        prompt took 0.65 s for the 48 tokens plain decoding took 0.18 s for, and the 0.47 s it
+        lost owed 23 s of plain decoding, the rest of the table."""
+        other = self.measured[not self.on].rate
+        return self.trial and other is not None and self._window[1] > LOST_AFTER * self.window / other
 
     def _choose(self, tokens: float, seconds: float) -> None:
         """After a window (with the settling before it, if the regime was just switched to) of
@@ -168,12 +210,15 @@ class SpeculationGate:
                 self.streak += 1
                 self.lost += loss
                 self.owed += loss * min(self.streak, MAX_STREAK) / EXPLORE_SHARE
+                self._lost_at(best)
                 self.on, self.trial, self.since = best, False, 0
                 return
             if best != self.on:  # the evidence turned: a trial of the other, judged on what it measures now
+                self._lost_at(best)
                 self.on, self.trial, self.since = best, True, 0
                 return
             if self.trial:  # the trial won: its regime takes over, owing nothing to the one it beat
+                self._lost_at(best)
                 self.trial, self.since, self.streak, self.owed = False, 0, 0, 0.0
                 return
         self.owed = max(0.0, self.owed - seconds)
@@ -181,6 +226,11 @@ class SpeculationGate:
         waited = self.since >= MIN_WAIT or rates[other] is None  # never measured: once nothing is owed
         if (self.owed == 0.0 and waited) or self.since >= MAX_WAIT:
             self.on, self.trial, self.since, self.owed = other, True, 0, 0.0
+
+    def _lost_at(self, best: bool) -> None:
+        """Plain decoding measured better than the router (`best` False): remember the context."""
+        if not best:
+            self.lost_context = self.context
 
     def _first_trial_owed(self, rate_on: float) -> float:
         """Seconds of the router owed before off's first window: that window's tokens at the
@@ -191,7 +241,8 @@ class SpeculationGate:
 
     def report(self) -> dict:
         """Steps in each regime, each regime's measured rate (tokens per row per second: at batch 1
-        tokens per second) and the seconds the trials that lost cost."""
+        tokens per second), the seconds the trials that lost cost, the trials a call's context
+        started, the newest call's context and the one where the router last lost."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         return {
             "steps_on": self.steps[True],
@@ -199,4 +250,7 @@ class SpeculationGate:
             "tokens_per_second_on": rates[True],
             "tokens_per_second_off": rates[False],
             "seconds_lost": self.lost,
+            "context_trials": self.context_trials,
+            "context": self.context,
+            "lost_context": self.lost_context,
         }

@@ -103,6 +103,7 @@ def test_one_row_takes_the_best_of_plain_and_every_ssm_and_length(f, verify, dra
     assert (one.depth_index < 0) == (batch is None)
     if batch is not None:
         assert (one.ssm, one.depth_index) == (batch[0].tolist(), batch[1])
+        assert one.advantage == pytest.approx(batch[2]) and one.advantage > 1
 
 
 @settings(max_examples=40, deadline=None)
