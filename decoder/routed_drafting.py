@@ -57,13 +57,13 @@ class RoutedDrafting:
         self._holding = False  # the step drafted the preferred action, decided on nothing
         self._drafting = 0.0
         self._span: tuple[float, int] | None = None  # the gate's step began: when, at which `setup_count()`
-        self._joined = False  # rows joined since the last step: the gate's context is theirs (5.4)
+        self._joining: list[SequenceState] = []  # rows joined since the last step: the gate's context (5.4)
 
     def add(self, rows: list[SequenceState]) -> None:
         """Rows join the group. The gate's next step begins where its drafting does: reading the new
         rows' prompts is the same work whichever regime runs (5.4)."""
         self._span = None
-        self._joined = True
+        self._joining += rows
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
         joining = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
@@ -120,7 +120,7 @@ class RoutedDrafting:
         gate = self._gate = self.scheduler.gate(len(rows), self.regime)
         greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
         self._holding = self._speculated = False
-        if gate is not None and self._joined:
+        if gate is not None and self._joining:
             self._context(gate, rows, depths, greedy)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None
@@ -145,14 +145,17 @@ class RoutedDrafting:
     def _context(
         self, gate: SpeculationGate, rows: list[SequenceState], depths: list[int], greedy: bool
     ) -> None:
-        """Rows joined: the router's advantage on their prompts' hidden states, which the LLM's
-        pass over the prompts returns in every regime, is the gate's new context (5.4, "A new
-        context"), which may start a trial of the router."""
-        self._joined = False
-        hidden = [row.hidden for row in rows]
-        if any(state is not None for state in hidden):
-            texts = [row.tokens for row in rows]
-            gate.call_started(self.router.advantage(hidden, depths, texts, not greedy))
+        """Rows joined: the router's advantage on their prompts' hidden states alone (the LLM's
+        pass over the prompts returns them in every regime; the rows already decoding have none
+        while the gate is off) is the gate's new context (5.4, "A new context is tried"), which
+        may start a trial of the router."""
+        joined = {id(row) for row in self._joining}
+        self._joining = []
+        new = [b for b, row in enumerate(rows) if id(row) in joined and row.hidden is not None]
+        if new:
+            hidden, texts = [rows[b].hidden for b in new], [rows[b].tokens for b in new]
+            advantage = self.router.advantage(hidden, [depths[b] for b in new], texts, not greedy)
+            gate.call_started(advantage)
 
     def _held(
         self, rows: list[SequenceState], depths: list[int], action: tuple[int, int], greedy: bool

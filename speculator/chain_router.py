@@ -446,7 +446,8 @@ class ChainRouter:
         """A batch: the best (depth, SSM set) routing, then K = 0 per row; None if plain is better.
         Costs are corrected: `verify` [D + 1], `draft` [S, B + 1, D], `catch_up` [B, S] (an SSM's
         one catch-up pass is eager if any row routed to it is far behind). Returns each row's SSM
-        (NO_SSM: none), the depth index and the routing's score over a plain step's."""
+        (NO_SSM: none), the depth index and the routing's score over a plain step's (before K = 0
+        per row, which only raises it)."""
         rows = f.shape[0]
         masked = np.where(self.subsets[:, None, :, None], f[None], -np.inf)  # [U, B, S, D]
         best = masked.argmax(2)  # [U, B, D] each row's SSM in U

@@ -50,11 +50,12 @@ window after plain ones ran 8-13% below its next three), so a trial judged on it
 judged the switch, not the regime, and lost where the two were near; what those steps cost still
 counts in a lost trial's loss.
 A trial ends once it has lost: when its window has taken LOST_AFTER times what the better regime
-takes for a whole window (`_lost_already`), so that one trial costs about a window and a half of
-the better regime at most, whatever it meets. And what is owed prices exploring where nothing
-changes; a workload does change (texts the SSMs serve badly, then texts they serve well): each call
-tells the gate the router's predicted advantage on its prompt (`call_started`), and, off, a call
-CONTEXT_MARGIN times more promising than the one where the router last lost is a trial at once.
+takes for a whole window (`_lost_already`), so that a trial's window costs about a window and a
+half of the better regime at most, whatever it meets (its settling aside). And what is owed
+prices exploring where nothing changes; a workload does change (texts the SSMs serve badly, then
+texts they serve well): each call tells the gate the router's predicted advantage on its prompt
+(`call_started`), and, off, a call CONTEXT_MARGIN times more promising than the one where the
+router last lost is a trial at once.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
 (greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
@@ -132,6 +133,7 @@ class SpeculationGate:
         self.context = 1.0 if like is None else like.context
         self.lost_context = None if like is None else like.lost_context
         self.context_trials = 0
+        self._on_context = self.context  # the highest context met since the router last ran
 
     def step(self, tokens: float, seconds: float) -> None:
         """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
@@ -162,6 +164,8 @@ class SpeculationGate:
         self._choose(window[0] + switch[0], window[1] + switch[1])
         if self.on != running:
             self._settling = self.settle
+            if self.on:
+                self._on_context = self.context
 
     def call_started(self, advantage: float) -> None:
         """New rows start (a call, or rows joining a batch): `advantage` is the router's rule's score
@@ -171,24 +175,30 @@ class SpeculationGate:
         advantage A, a call of advantage CONTEXT_MARGIN x A or more is a trial of the router now,
         whatever is owed: what is owed prices exploring where nothing changes, and a workload that
         moves from texts the SSMs serve badly to texts they serve well is such a change. A context
-        trial that loses is owed for like any other, and its context is the new A, so that the next
-        one needs a still more promising call."""
+        trial that loses is owed for like any other, and the highest context it met (a trial may
+        span calls) is the new A, so that the next one needs a still more promising call."""
         self.context = advantage
+        if self.on:
+            self._on_context = max(self._on_context, advantage)
+            return
         promising = self.lost_context is not None and advantage >= CONTEXT_MARGIN * self.lost_context
-        if self.on or self.trial or not promising:
+        if self.trial or not promising:
             return
         self.measured[False].add(*self._window)  # off's window so far is off's evidence
         self._window, self._switch = [0.0, 0.0], [0.0, 0.0]
         self.on, self.trial, self.since, self._settling = True, True, 0, self.settle
+        self._on_context = advantage
         self.context_trials += 1
 
     def _lost_already(self) -> bool:
-        """Whether the trial running has taken longer in its window than the better regime takes
-        for a whole window: whatever it emits next, its window's rate is the lower, and it ends
-        now, judged on what it measured. A trial that met a call its regime serves badly had run
-        its whole window: on quick-r39 (greedy, batch 1) a held chain of 16 on an instructions
-        prompt took 0.65 s for the 48 tokens plain decoding took 0.18 s for, and the 0.47 s it
-        lost owed 23 s of plain decoding, the rest of the table."""
+        """Whether the trial running has taken longer in its window than LOST_AFTER times what the
+        regime it must beat takes for a whole window: then it ends now, judged on what it
+        measured. The margin leaves room for the steps a window still had to come, which at batch
+        sizes where a window is a few steps may each bring many tokens. Its settling (W / 4 tokens
+        per row) is not cut. A trial that met a call its regime serves badly had run its whole
+        window: on quick-r39 (greedy, batch 1) a held chain of 16 on an instructions prompt took
+        0.65 s for the 48 tokens plain decoding took 0.18 s for, and the 0.47 s it lost owed 23 s
+        of plain decoding, the rest of the table."""
         other = self.measured[not self.on].rate
         return self.trial and other is not None and self._window[1] > LOST_AFTER * self.window / other
 
@@ -228,9 +238,10 @@ class SpeculationGate:
             self.on, self.trial, self.since, self.owed = other, True, 0, 0.0
 
     def _lost_at(self, best: bool) -> None:
-        """Plain decoding measured better than the router (`best` False): remember the context."""
+        """Plain decoding measured better than the router (`best` False): remember the highest
+        context the router met since it last ran, where it lost."""
         if not best:
-            self.lost_context = self.context
+            self.lost_context = self._on_context
 
     def _first_trial_owed(self, rate_on: float) -> float:
         """Seconds of the router owed before off's first window: that window's tokens at the

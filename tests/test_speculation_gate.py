@@ -364,6 +364,11 @@ def test_a_more_promising_call_is_tried_at_once() -> None:
     regimes = run(gate, 3, {True: 800.0, False: 1000.0})
     assert regimes[0] and not any(regimes[1:]) and gate.lost_context == 1.6 * CONTEXT_MARGIN
     assert gate.report()["context_trials"] == 1
+    gate.call_started(CONTEXT_MARGIN**2 * 1.6 * 1.01)  # a trial that spans a call less promising than its own
+    assert gate.on and gate.context_trials == 2
+    gate.call_started(1.0)
+    run(gate, 1, {True: 800.0, False: 1000.0})
+    assert not gate.on and gate.lost_context == CONTEXT_MARGIN**2 * 1.6 * 1.01  # the highest the router met
     trying = SpeculationGate()
     run(trying, 1, {True: 1500.0, False: 1000.0})  # on; then off's first window, a trial
     trying.lost_context = 1.0
@@ -375,9 +380,9 @@ def test_a_more_promising_call_is_tried_at_once() -> None:
 def test_a_workload_that_turns_speculable_is_found_by_its_context(ratios) -> None:
     """Categories of calls where the router loses, then pays (`simulate`): told each call's
     predicted advantage (with a log-normal error of sigma 0.3), the gate tries the router when the
-    workload turns, where what it owed from the losing category had kept it off. Over 30 seeds
-    (ALGORITHMS.md 5.4, "A new context is tried"): 1.112 against 1.007 of the better fixed regime's
-    rate, and 0.999 against 0.960; where nothing changes the context trials cost 0-2.5%."""
+    workload turns, where what it owed from the losing category had kept it off. Here 12 seeds; over
+    30 (ALGORITHMS.md 5.4, "A new context is tried"): 1.112 against 1.007 of the better fixed
+    regime's rate, and 0.999 against 0.960; where nothing changes the context trials cost 0-2.5%."""
     seeds = range(12)
     best = [max(simulate(ratios, s, None, on, cold=(1.3, 1.36)) for on in (True, False)) for s in seeds]
 
@@ -446,6 +451,26 @@ def test_a_call_starts_a_trial_where_its_prompt_looks_more_promising(margin: flo
         assert first == "off" and gate.context_trials == 0
     else:
         assert first.startswith("SSM") and gate.context_trials == 1
+
+
+def test_a_batch_context_is_its_joining_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's rows join at once: the context is scored once, on their prompts' states, as a batch
+    of their own; later steps (no row joining) score nothing. Lossless."""
+    llm, decoder = drafting_in_vain()
+    scored = []
+    advantage = ChainRouter.advantage
+
+    def recorded(self, hidden, *args):
+        scored.append([state is not None for state in hidden])
+        return advantage(self, hidden, *args)
+
+    monkeypatch.setattr(ChainRouter, "advantage", recorded)
+    prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(5))
+    out = BatchedDecoder(decoder).generate(prompts, max_new_tokens=24)
+    for b in range(3):
+        assert torch.equal(out.sequences[b], llm.generate(prompts[b : b + 1], max_new_tokens=24)[0])
+    assert scored == [[True, True, True]]
+    assert decoder.speculator.gate(3).context > 1
 
 
 def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
