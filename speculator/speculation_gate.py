@@ -199,8 +199,10 @@ class SpeculationGate:
         window: on quick-r39 (greedy, batch 1) a held chain of 16 on an instructions prompt took
         0.65 s for the 48 tokens plain decoding took 0.18 s for, and the 0.47 s it lost owed 23 s
         of plain decoding, the rest of the table."""
+        if not self.trial:  # most steps: nothing more to compute
+            return False
         other = self.measured[not self.on].rate
-        return self.trial and other is not None and self._window[1] > LOST_AFTER * self.window / other
+        return other is not None and self._window[1] > LOST_AFTER * self.window / other
 
     def _choose(self, tokens: float, seconds: float) -> None:
         """After a window (with the settling before it, if the regime was just switched to) of
