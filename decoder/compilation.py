@@ -4,8 +4,8 @@ back a step's overhead).
 
 Every pass feeds a `TreeCache` whose shapes come from a few buckets (rows and nodes padded to powers
 of two, capacities to multiples of 32 or 128), so a handful of graphs cover every shape and strategy;
-on the CPU the capacity is a dynamic size of the graphs (`dynamic_capacity`), so one graph serves
-every capacity.
+on the CPU the capacity and the rows past one are dynamic sizes of the graphs (`dynamic_sizes`), so
+one graph serves every capacity, and every batch of 2 to 8 rows.
 What is compiled is the whole tree pass (`speculator.kv_cache.tree_pass`: the tree-attention mask
 and the model's forward), so that the mask is built inside the graph. On CUDA with CUDA graphs
 (`mode="reduce-overhead"`); on the CPU with inductor's C++ wrapper (`cpp_wrapper`), which calls the
@@ -106,7 +106,9 @@ class ModelCalls:
                 store=shared_functions(model),
                 make_chain=block,
                 make_sampled=block,
-                dynamic_capacity=dynamic_capacity(model.device),
+                dynamic_capacity=dynamic_sizes(model.device),
+                # A stacked pool's rows are blocks of its members' (`stack_pool`), never padded
+                dynamic_rows=dynamic_sizes(model.device) and getattr(model, "stacked_members", 1) == 1,
             )
         return self._calls[id(model)]
 
@@ -260,19 +262,21 @@ def compiled_tree_pass(device: torch.device) -> PassFunction:
 
 def compile_function(function: FunctionType, device: torch.device) -> Callable[..., object]:
     """`torch.compile` of a copy of `function` (`own_code`) for `device`: static shapes, but for
-    the cache capacity where it is dynamic (`dynamic_capacity`; `dynamic=None` lets the marked size
-    stay symbolic, and nothing else is marked, nor varies within one function's calls)."""
-    dynamic = None if dynamic_capacity(device) else False
+    the cache capacity and rows where they are dynamic (`dynamic_sizes`; `dynamic=None` lets the
+    marked sizes stay symbolic, and nothing else is marked, nor varies within one function's calls)."""
+    dynamic = None if dynamic_sizes(device) else False
     return torch.compile(own_code(function), fullgraph=False, dynamic=dynamic, **compile_options(device))
 
 
-def dynamic_capacity(device: torch.device) -> bool:
-    """Whether the compiled passes take the cache capacity as a dynamic size: on the CPU, where
-    it was measured. A graph per capacity had compiled every expected pass again at each capacity
-    a table's prompts met (quick-r38: 200 graphs, about 32 s each on a slow host); one graph for
-    every capacity compiled as fast and ran its steps as fast (docs/results.md, "Capacity as a
-    dynamic size"). On CUDA the capacity stays static: a dynamic one has not been measured there
-    (with CUDA graphs or without)."""
+def dynamic_sizes(device: torch.device) -> bool:
+    """Whether the compiled passes take the cache capacity and the rows past one as dynamic sizes
+    (`CompiledPass.sizes_key`): on the CPU, where it was measured. A graph per capacity had
+    compiled every expected pass again at each capacity a table's prompts met (quick-r38: 200
+    graphs, about 32 s each on a slow host), and a graph per row bucket again at each bucket a
+    batch met as its rows finished; one graph for every capacity, and one for 2 to 8 rows,
+    compiled as fast and ran their passes as fast (docs/results.md, "Capacity as a dynamic
+    size", "Rows as a dynamic size"). On CUDA both stay static: dynamic ones have not been
+    measured there (with CUDA graphs or without)."""
     return device.type == "cpu"
 
 

@@ -17,8 +17,9 @@ stays exact.
 
 With a compiled model call, shapes are kept to a few buckets (rows padded to powers of two, fed
 nodes and the fed nodes they may see to `NODE_BUCKETS`, the capacity to multiples of
-`CAPACITY_STEP`), so that the compiled model sees a handful of shapes (on the CPU the capacity is
-a dynamic size of its graphs: `CompiledPass.capacity_key`); eager passes are not padded. A
+`CAPACITY_STEP`), so that the compiled model sees a handful of shapes (on the CPU the capacity and
+the rows past one are dynamic sizes of its graphs: `CompiledPass.sizes_key`); eager passes are not
+padded. A
 compiled call may also name the pass shapes its decoder expects (`CompiledPass`): a cache then
 compiles them all the first time any cache of its rows and capacity meets the call.
 """
@@ -110,9 +111,12 @@ class CompiledPass:
     shape there, before its own pass, compiling those not compiled yet: a strategy whose shapes
     vary from step to step (the learned scheduler) then compiles nothing new once its caches' rows
     and capacities have been met (`SpeculativeDecoder.warmup`). Where the capacity is a dynamic
-    size (`dynamic_capacity`, `capacity_key`), a capacity met after the first compiles nothing.
+    size (`dynamic_capacity`, `sizes_key`), a capacity met after the first compiles nothing;
+    where the rows are (`dynamic_rows`, `sizes_key`), neither does a bucket of 2 or more rows
+    after the first.
 
-    Every pass key (rows, nodes, fed nodes seen, hidden states or not, capacity if static) gets a
+    Every pass key (rows if static, nodes, fed nodes seen, hidden states or not, capacity if
+    static) gets a
     function of its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile
     checks a code object's graphs one after another at every call, and the learned scheduler's LLM
     call holds dozens (every verify size, with and without hidden states, at every capacity met): in a
@@ -127,10 +131,13 @@ class CompiledPass:
         make_chain: Callable[[], ChainFunction] | None = None,
         make_sampled: Callable[[], ChainFunction] | None = None,
         dynamic_capacity: bool = False,
+        dynamic_rows: bool = False,
     ) -> None:
         self.make = make
-        # Whether `make`'s functions take the capacity as a dynamic size (`capacity_key`).
+        # Whether `make`'s functions take the capacity, and the rows of caches of 2 or more rows,
+        # as dynamic sizes (`sizes_key`).
         self.dynamic_capacity = dynamic_capacity
+        self.dynamic_rows = dynamic_rows
         self.store = store or CompiledFunctions()
         self.expected: set[PassShape] = set()
         # The argmax-chain blocks (`CHAIN_BLOCKS` sizes) a decoder expects of a one-row cache, made
@@ -161,10 +168,15 @@ class CompiledPass:
         output_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.head_for(output_hidden)
-        capacity = self.capacity_key(cache)
-        key = (*tokens.shape, visible.shape[2], output_hidden, capacity, *(head.key if head else ()))
-        function = self.store.functions.get(key) or self._new_function(key, model, output_hidden)
+        rows, capacity = self.sizes_key(cache, tokens.shape[0])
+        key = (rows, tokens.shape[1], visible.shape[2], output_hidden, capacity, *(head.key if head else ()))
         inputs = (tokens, positions, visible, fed_positions, counts, layout, dtype, output_hidden)
+        function = self.store.functions.get(key)
+        if function is None:
+            function = self._new_function(key, model, output_hidden)
+            if rows is None:  # the graph is traced at this call: its inputs' rows are a dynamic size
+                for tensor in inputs[:5]:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
         return function(model, cache, *inputs, None, head)
 
     def chain(
@@ -184,7 +196,7 @@ class CompiledPass:
         with `draws` sampled ones and their q; None where the call makes none or its
         functions are full (the caller feeds the tokens one by one)."""
         warp = None if draws is None else draws[0][2:]
-        key = block_key(token.shape[0], steps, self.capacity_key(cache), warp)
+        key = block_key(token.shape[0], steps, self.sizes_key(cache, 1)[1], warp)
         make = self.make_chain if draws is None else self.make_sampled
         function = self.store.functions.get(key)
         if function is None:
@@ -207,22 +219,29 @@ class CompiledPass:
             draws.add(warp)
             self.met.clear()
 
-    def capacity_key(self, cache: FullStaticCache) -> int | None:
-        """The capacity part of a pass key: None where the functions take the capacity as a
-        dynamic size, and then the cache's K/V are marked so the first time a call meets them
-        (`torch._dynamo.maybe_mark_dynamic`: a model whose forward specialises on it gets a graph
-        per capacity, as with a static one). Every capacity a cache grows to then runs the graphs
-        already compiled: the quick suite had compiled 200 graphs, each expected pass again at
-        every capacity its prompts met (docs/results.md, "Capacity as a dynamic size")."""
-        if not self.dynamic_capacity:
-            return cache_capacity(cache)
-        if not cache.capacity_marked:
+    def sizes_key(self, cache: FullStaticCache, rows: int) -> tuple[int | None, int | None]:
+        """The (rows, capacity) part of a pass key for a cache of `rows` physical rows: None for a
+        size the functions take as a dynamic one, and then the cache's K/V are marked so the first
+        time a call meets them (`torch._dynamo.maybe_mark_dynamic`: a model whose forward
+        specialises on a size gets a graph per value, as with a static one).
+        - The capacity (`dynamic_capacity`): every capacity a cache grows to runs the graphs
+          already compiled. The quick suite had compiled 200 graphs, each expected pass again at
+          every capacity its prompts met (docs/results.md, "Capacity as a dynamic size").
+        - Rows past one (`dynamic_rows`; torch.compile specialises a size of 1 whatever is marked):
+          a batch whose rows finish meets buckets of 8, 4, 2 and 1 rows, and each had compiled
+          every expected pass again (the first category of quick-r39's greedy batch-8 table took 28
+          minutes, mostly compiling). One graph for 2 to 8 rows ran its passes within 3% of each
+          row count's own graph (docs/results.md, "Rows as a dynamic size")."""
+        dynamic_rows = self.dynamic_rows and rows > 1
+        if not cache.marked:
+            dims = (0,) * dynamic_rows + (2,) * self.dynamic_capacity
             for layer in cache.layers:
                 if layer.is_initialized:
-                    torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
-                    torch._dynamo.maybe_mark_dynamic(layer.values, 2)
-            cache.capacity_marked = True
-        return None
+                    for dim in dims:
+                        torch._dynamo.maybe_mark_dynamic(layer.keys, dim)
+                        torch._dynamo.maybe_mark_dynamic(layer.values, dim)
+            cache.marked = True
+        return (None if dynamic_rows else rows), (None if self.dynamic_capacity else cache_capacity(cache))
 
     def head_for(self, output_hidden: bool) -> PassHead | None:
         """The head a pass applies to the hidden states it returns (`head`), if it returns them."""
@@ -372,12 +391,12 @@ class FullStaticCache(StaticCache):
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         Cache.__init__(self, layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
-        self.capacity_marked = False  # its K/V marked as of a dynamic capacity (`CompiledPass.capacity_key`)
+        self.marked = False  # its K/V marked as of dynamic sizes (`CompiledPass.sizes_key`)
 
 
 def cache_capacity(cache: StaticCache) -> int:
     """The keys `cache` holds per row: read off its K/V tensors once they exist, so that a pass
-    compiled with a dynamic capacity (`CompiledPass.capacity_key`) sees the size, not a constant."""
+    compiled with a dynamic capacity (`CompiledPass.sizes_key`) sees the size, not a constant."""
     layer = cache.layers[0]
     return layer.keys.shape[2] if layer.is_initialized else layer.max_cache_len
 

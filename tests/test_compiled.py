@@ -26,7 +26,14 @@ from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.chain_router import ChainRouter
 from specboost.speculator.cost_model import CostModel
-from specboost.speculator.kv_cache import CompiledPass, FullStaticCache, PassShape, cache_capacity
+from specboost.speculator.kv_cache import (
+    CAPACITY_STEP,
+    CompiledPass,
+    FullStaticCache,
+    PassShape,
+    TreeCache,
+    cache_capacity,
+)
 from specboost.speculator.predictor import MatchLengthPredictor, PredictorConfig
 from specboost.speculator.routed_scheduler import RoutedScheduler
 from specboost.speculator.scheduler import LearnedScheduler
@@ -95,22 +102,22 @@ def test_a_capacity_met_after_the_first_compiles_nothing(
     build: Callable[..., PreTrainedModel], length: int, grown: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the CPU the compiled passes and chain blocks take the cache capacity as a dynamic size
-    (`compilation.dynamic_capacity`): a prompt of `length` tokens, whose text needs larger caches
+    (`compilation.dynamic_sizes`): a prompt of `length` tokens, whose text needs larger caches
     than a short one's (the LLM's; the SSM's too where the model's context lets it outgrow the
     drafter's first capacity: the first `grown` of the two), runs the graphs already compiled, and
     the output is still `llm.generate`'s (OPT: learned positions, another attention code)."""
     met: dict[int, set[int]] = {}  # the capacities of the caches each compiled call was called with
-    capacity_key = CompiledPass.capacity_key
+    sizes_key = CompiledPass.sizes_key
 
-    def recorded(self: CompiledPass, cache: FullStaticCache) -> int | None:
+    def recorded(self: CompiledPass, cache: FullStaticCache, rows: int) -> tuple[int | None, int | None]:
         met.setdefault(id(self), set()).add(cache_capacity(cache))
-        return capacity_key(self, cache)
+        return sizes_key(self, cache, rows)
 
-    monkeypatch.setattr(CompiledPass, "capacity_key", recorded)
+    monkeypatch.setattr(CompiledPass, "sizes_key", recorded)
     llm = build(layers=2, seed=0).float()
     dec = SpeculativeDecoder(llm, [noisy_copy(llm, 0.1, seed=1)], shape=ChainShape(4), compile=True)
     calls = [dec.calls.get(model) for model in (llm, dec.ssms[0])]
-    assert compilation.dynamic_capacity(llm.device) and all(call.dynamic_capacity for call in calls)
+    assert compilation.dynamic_sizes(llm.device) and all(call.dynamic_capacity for call in calls)
 
     def generate(tokens: int) -> None:
         ids = torch.randint(1, 60, (1, tokens), generator=torch.Generator().manual_seed(tokens))
@@ -124,6 +131,37 @@ def test_a_capacity_met_after_the_first_compiles_nothing(
     generate(length)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert all(met[id(call)] - seen for call, seen in zip(calls[:grown], before, strict=False))
+
+
+def test_a_row_bucket_met_after_the_first_compiles_nothing() -> None:
+    """On the CPU the compiled passes take the rows past one as a dynamic size
+    (`CompiledPass.sizes_key`): caches of 4 and 3 rows (padded to 4) run the graphs a cache of 2
+    rows compiled, and their logits are the eager pass's. A stacked pool's rows (blocks of one per
+    member) stay a static size."""
+    llm = tiny_llama(layers=2, seed=0).float()
+    calls = compilation.ModelCalls(llm.device, enabled=True)
+    call = calls.get(llm)
+    assert call.dynamic_rows and call.dynamic_capacity
+    torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs = 0
+    for rows in (2, 4, 3):
+        cache = TreeCache(llm, rows, CAPACITY_STEP, call)
+        cache.feed_chains([prompt[: 2 + row] for row, prompt in enumerate([*PROMPTS, *PROMPTS][:rows])])
+        for nodes in (1, 3):
+            tokens = torch.arange(1, 1 + rows * nodes).view(rows, nodes) % 60
+            positions = torch.tensor(cache.lengths)[:, None] + torch.arange(nodes)
+            visible = torch.ones(nodes, nodes, dtype=torch.bool).tril().repeat(rows, 1, 1)
+            compiled = cache.feed(tokens, positions, visible).logits
+            cache.commit([[] for _ in range(rows)])
+            eager = cache.feed(tokens, positions, visible, eager=True).logits
+            cache.commit([[] for _ in range(rows)])
+            torch.testing.assert_close(compiled, eager)
+        if rows == 2:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            assert graphs >= 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert {key[0] for key in call.store.functions} == {None}
+    stacked = compiled_decoder(ssms=3)
+    assert not any(stacked.calls.get(unit.model).dynamic_rows for unit in stacked.speculator.drafter.units)
 
 
 @pytest.mark.slow
