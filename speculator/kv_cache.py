@@ -19,9 +19,8 @@ With a compiled model call, shapes are kept to a few buckets (rows padded to pow
 nodes and the fed nodes they may see to `NODE_BUCKETS`, the capacity to multiples of
 `CAPACITY_STEP`), so that the compiled model sees a handful of shapes (on the CPU the capacity and
 the rows past one are dynamic sizes of its graphs: `CompiledPass.sizes_key`); eager passes are not
-padded. A
-compiled call may also name the pass shapes its decoder expects (`CompiledPass`): a cache then
-compiles them all the first time any cache of its rows and capacity meets the call.
+padded. A compiled call may also name the pass shapes its decoder expects (`CompiledPass`): a cache
+then compiles them all the first time any cache of its rows and capacity meets the call.
 """
 
 from __future__ import annotations
@@ -115,9 +114,8 @@ class CompiledPass:
     where the rows are (`dynamic_rows`, `sizes_key`), neither does a bucket of 2 or more rows
     after the first.
 
-    Every pass key (rows if static, nodes, fed nodes seen, hidden states or not, capacity if
-    static) gets a
-    function of its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile
+    Every pass key (rows and capacity where static, nodes, fed nodes seen, hidden states or not)
+    gets a function of its own from `make` (a `torch.compile` of its own copy of `tree_pass`): torch.compile
     checks a code object's graphs one after another at every call, and the learned scheduler's LLM
     call holds dozens (every verify size, with and without hidden states, at every capacity met): in a
     profile of its plain steps on the CPU, dynamo's entry took 0.36 ms a call against 0.23 ms for
