@@ -98,7 +98,8 @@ class CompiledFunctions:
 
     limit: int = MIN_FUNCTIONS
     # Pass keys (rows, nodes, keys, hidden, capacity, head...), argmax-chain keys ("chain", rows,
-    # tokens, capacity) and sampled-chain keys ("sampled", rows, tokens, capacity, top-k, top-p on).
+    # tokens, capacity) and sampled-chain keys ("sampled", rows, tokens, capacity, top-k, top-p on);
+    # rows and capacity None where they are dynamic sizes (`CompiledPass.sizes_key`).
     functions: dict[tuple[object, ...], PassFunction | ChainFunction] = field(default_factory=dict)
     full: bool = False
     hidden_ready: bool = False  # `collect_hidden_states_once` ran on the model
