@@ -142,7 +142,7 @@ def test_a_row_bucket_met_after_the_first_compiles_nothing() -> None:
     calls = compilation.ModelCalls(llm.device, enabled=True)
     call = calls.get(llm)
     assert call.dynamic_rows and call.dynamic_capacity
-    torch._dynamo.utils.counters["stats"]["unique_graphs"] = graphs = 0
+    graphs = start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for rows in (2, 4, 3):
         cache = TreeCache(llm, rows, CAPACITY_STEP, call)
         cache.feed_chains([prompt[: 2 + row] for row, prompt in enumerate([*PROMPTS, *PROMPTS][:rows])])
@@ -157,7 +157,7 @@ def test_a_row_bucket_met_after_the_first_compiles_nothing() -> None:
             torch.testing.assert_close(compiled, eager)
         if rows == 2:
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            assert graphs >= 2
+            assert graphs >= start + 2  # a graph of 1 node and one of 3
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert {key[0] for key in call.store.functions} == {None}
     stacked = compiled_decoder(ssms=3)
