@@ -25,7 +25,7 @@ import torch
 from specboost import __version__
 from specboost.decoder.bench.configurations import FILE_BENCH, FILE_BENCH_OPTIONS, SUITES, resolve_suite
 from specboost.decoder.bench.cost_standin import StandinShape, write_standin
-from specboost.decoder.bench.protocol import PARTIAL_REPORT, Protocol, Report
+from specboost.decoder.bench.protocol import CHECKPOINT, PARTIAL_REPORT, Protocol, Report
 from specboost.decoder.bench.suite import BENCH_METHODS, Shapes, SuiteConfig, read_fixture
 from specboost.decoder.decoder import SpeculativeDecoder, SpeculativeOutput
 from specboost.decoder.pool import SHAPE_KINDS, PoolDefaults, SSMPool
@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="DIR",
         help="folder for the report (default with --suite: ARTIFACTS/bench-suite/<fixture, or the --llm "
-        "folder's name>, ARTIFACTS/batch-bench, ARTIFACTS/strategy-compare, ARTIFACTS/scheduler-eval)",
+        "folder's name>, ARTIFACTS/batch-bench, ARTIFACTS/strategy-compare, ARTIFACTS/scheduler-eval); "
+        f"a run killed midway resumes from DIR/{CHECKPOINT} (delete it to start over)",
     )
     _add_suite_options(bench)
     bench.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens per prompt (default: 64)")
@@ -737,10 +738,14 @@ def bench(args: argparse.Namespace) -> int:
             print(f"[bench] the tables so far: {partial}", file=sys.stderr)
 
     report = config.run(
-        log=lambda line: print(line, file=sys.stderr), artifacts=args.artifacts, on_table=on_table
+        log=lambda line: print(line, file=sys.stderr),
+        artifacts=args.artifacts,
+        on_table=on_table,
+        checkpoint=out / CHECKPOINT,
     )
     print(config.write(report, out, args.readme))
-    (out / PARTIAL_REPORT).unlink(missing_ok=True)
+    for leftover in (PARTIAL_REPORT, CHECKPOINT):
+        (out / leftover).unlink(missing_ok=True)
     print(f"wrote {out}")
     if differing := report.differing():
         print(f"error: greedy output differs from plain llm.generate for {differing}", file=sys.stderr)

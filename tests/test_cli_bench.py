@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specboost.decoder import example
 from specboost.decoder.bench.configurations import FILE_BENCH
+from specboost.decoder.bench.protocol import CHECKPOINT
 from specboost.decoder.bench.suite import SuiteConfig
 from specboost.decoder.bench.workloads import read_prompt_file
 from specboost.decoder.cli import main
@@ -211,14 +212,19 @@ def test_bench_cli_prints_the_table(
         "--threads",
         "1",
     ]
+    checkpoint = tmp_path / CHECKPOINT
+    checkpoint.write_text("{")  # a killed run's, cut short: read, ignored, then written anew
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert "vs plain" in out and "vs HF assisted" in out
     assert re.search(r"^\| \d+ \| `chain\[1\]` \| [\d.]+ \| [\d.]+", out, re.MULTILINE)
     assert (tmp_path / "bench.json").is_file()
-    # the table was written as it finished, and the partial report removed once the whole one was
+    # the table was written as it finished, and the partial report and checkpoint removed once the
+    # whole report was
     assert f"[bench] the tables so far: {tmp_path / 'report.partial.md'}" in err
+    assert f"[bench] ignoring the checkpoint {checkpoint}: unreadable (JSONDecodeError" in err
     assert not (tmp_path / "report.partial.md").exists() and (tmp_path / "report.md").is_file()
+    assert not checkpoint.exists()
 
 
 def test_bench_config_rejects_unknown_methods(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from specboost.decoder.bench.records import (
     MethodResult,
     MethodSet,
     RunRecord,
+    TableRun,
     row_stats,
 )
 from specboost.decoder.bench.suite import SuiteConfig
@@ -773,8 +774,8 @@ def test_each_finished_table_is_handed_over_as_the_run_goes() -> None:
     )
     seen: list[list[tuple[str, int]]] = []
 
-    def finished(runs: list[CellRun], _) -> None:
-        seen.append([(run.cell.category, run.cell.batch_size) for run in runs])
+    def finished(tables: list[TableRun]) -> None:
+        seen.append([(run.cell.category, run.cell.batch_size) for table in tables for run in table.runs])
 
     run_cells(plan, Protocol(repeats=1, warmup=0), lambda _: None, finished)
     assert seen == [[("stories", 1), ("qa", 1)], [("stories", 1), ("qa", 1), ("stories", 2), ("qa", 2)]]

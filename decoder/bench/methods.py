@@ -261,7 +261,11 @@ def queued(method: Method, size: int) -> Method:
     return replace(method, run=run)
 
 
-def keeping_rows(method: Method, kept: dict[int, tuple[BatchEncoding, list[list[int]]]]) -> Method:
+Kept = dict[int, tuple[BatchEncoding, list[list[int]]]]  # by the item's id: the item, its rows
+KEPT_TENSORS = ("input_ids", "attention_mask")  # what `kept_json` keeps of an item
+
+
+def keeping_rows(method: Method, kept: Kept) -> Method:
     """`method`, keeping each item's latest rows in `kept` (by the item's id: item, rows)."""
 
     def run(batch: BatchEncoding) -> MethodResult:
@@ -270,6 +274,25 @@ def keeping_rows(method: Method, kept: dict[int, tuple[BatchEncoding, list[list[
         return result
 
     return replace(method, run=run)
+
+
+def kept_json(kept: Kept) -> list[dict[str, list]]:
+    """`kept` as JSON, in its order (a checkpoint's: what is computed from the rows afterwards sums
+    over them in that order): each item's tensors (`KEPT_TENSORS`) and rows."""
+    return [
+        {name: batch[name].tolist() for name in KEPT_TENSORS} | {"rows": rows}
+        for batch, rows in kept.values()
+    ]
+
+
+def kept_from_json(data: list[dict[str, list]], device: str) -> Kept:
+    """`kept_json`'s items back on `device` (what uses them matches items by their prompts, not by
+    their ids)."""
+    kept: Kept = {}
+    for item in data:
+        batch = BatchEncoding({name: torch.tensor(item[name], device=device) for name in KEPT_TENSORS})
+        kept[id(batch)] = (batch, item["rows"])
+    return kept
 
 
 def static_compiled(device: torch.device) -> dict[str, object]:

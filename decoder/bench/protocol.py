@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers import BatchEncoding
 
+from specboost.decoder.bench.checkpoint import Checkpoint, Progress, fingerprint
 from specboost.decoder.bench.records import (
     GREEDY,
     Cell,
@@ -30,12 +31,14 @@ from specboost.decoder.bench.records import (
     MethodResult,
     MethodSet,
     RunRecord,
+    TableRun,
 )
 from specboost.decoder.bench.summary import Table, tables
 from specboost.speculator.loading import DTYPES
 
 Log = Callable[[str], None]
 PARTIAL_REPORT = "report.partial.md"  # the tables finished so far, while a run goes on
+CHECKPOINT = "bench.checkpoint.json"  # the same as JSON, which a run started again resumes after
 # A method's warm-up that takes this long (seconds) is logged: compiling its graphs takes minutes on
 # a 2-core CPU (a batch-8 table's warm-ups took about 15 minutes a category on a slow host, the
 # suite saying nothing meanwhile), and the log then shows where they go.
@@ -62,6 +65,11 @@ class Plan:
     warmup_item: BatchEncoding | None = None  # None: each cell's first item
     fixture: dict[str, Any] | None = None  # the fixture's build record (the suite on a fixture)
     results: Callable[[Report], dict[str, Any]] = lambda _: {}  # a comparison's own, from the records
+    # What `results` needs of a finished table besides its records (JSON-able; the suite: plain
+    # decoding's outputs), kept in the checkpoint, and its restore in a resumed run (a table that
+    # runs again, the checkpoint being unreadable past it, replaces what was restored).
+    table_state: Callable[[Decoding, int], Any] = lambda *_: None
+    restore_table: Callable[[Decoding, int, Any], None] = lambda *_: None
 
 
 @dataclass
@@ -133,25 +141,37 @@ class Protocol:
         log: Log = print,
         artifacts: Path = Path("artifacts"),
         on_table: Callable[[Report], None] | None = None,
+        checkpoint: Path | None = None,
     ) -> Report:
         """Plan, then run every cell. `on_table` gets the report of the tables finished so far after
         each table, so that a run stopped midway keeps them (`specboost bench` writes it as
         report.partial.md: the quick suite from a cold compile cache had been stopped after 106
-        minutes with three tables finished and none written)."""
+        minutes with three tables finished and none written). With `checkpoint`, they are also
+        saved there after each table, and a run started on the checkpoint of a run of the same
+        configuration, models and machine does not run its tables again (`Checkpoint`): a killed
+        quick suite had started over from nothing."""
         start = time.perf_counter()
         with torch_threads(self.threads):  # before anything loads: a pool's profile is per thread count
             plan = self.plan(artifacts, log)
             machine = machine_info(self.dtype, self.device)
+            key = fingerprint(self, plan.models, plan.fixture, machine)
+            saving = None if checkpoint is None else Checkpoint(checkpoint, key)
+            earlier = (
+                Progress() if saving is None else saving.resume(len(plan.settings), plan.restore_table, log)
+            )
 
-            def finished(runs: list[CellRun], skipped: dict[str, dict[str, str]]) -> None:
-                if on_table is not None:
-                    seconds = time.perf_counter() - start
-                    on_table(Report(self, machine, plan.models, list(runs), skipped, seconds, plan.fixture))
+            def finished(so_far: list[TableRun]) -> None:
+                seconds = earlier.seconds + time.perf_counter() - start
+                if saving is not None:
+                    saving.save(so_far, seconds)
+                runs, skipped = cells_of(so_far)
+                if on_table is not None and runs:
+                    on_table(Report(self, machine, plan.models, runs, skipped, seconds, plan.fixture))
 
-            runs, skipped = run_cells(plan, self, log, finished)
-            report = Report(self, machine, plan.models, runs, skipped, fixture=plan.fixture)
+            done = run_cells(plan, self, log, finished, earlier.tables)
+            report = Report(self, machine, plan.models, *cells_of(done), fixture=plan.fixture)
             report.results = plan.results(report)
-        report.seconds = time.perf_counter() - start
+        report.seconds = earlier.seconds + time.perf_counter() - start
         return report
 
 
@@ -192,46 +212,65 @@ def run_cells(
     plan: Plan,
     protocol: Protocol,
     log: Log,
-    finished: Callable[[list[CellRun], dict[str, dict[str, str]]], None] = lambda *_: None,
-) -> tuple[list[CellRun], dict[str, dict[str, str]]]:
-    """Per decoding and batch size (a table), every category with one method set (so a method's
-    state, a weighted majority's weights, carries over from category to category as in serving);
-    after each table that ran, `finished` gets the cells run so far and the skipped methods'
-    reasons."""
-    runs: list[CellRun] = []
-    skipped: dict[str, dict[str, str]] = {}
-    exact = protocol.dtype not in ("bfloat16", "float16")  # low precision: agreement with float32
+    finished: Callable[[list[TableRun]], None] = lambda _: None,
+    restored: Sequence[TableRun] = (),
+) -> list[TableRun]:
+    """Every table (a decoding and batch size) in the plan's order, but those `restored` (an
+    earlier run's, from its checkpoint), which stand in their place without running again; after
+    each table that ran, `finished` gets the tables so far."""
+    done = {(table.decoding, table.batch_size): table for table in restored}
+    tables: list[TableRun] = []
     for decoding, batch_size in plan.settings:
-        notes = skipped.setdefault(f"{decoding.name}, batch {batch_size}", {})
-        method_set = None
-        for category in plan.categories:
-            batches = plan.items(category, batch_size)
-            if isinstance(batches, str):
-                notes[f"category {category}"] = batches
-                continue
-            if method_set is None:
-                method_set = plan.methods(decoding, batch_size, batches[0])
-                notes.update(method_set.skipped)
-                if len(method_set.methods) == 1:
-                    notes["all methods"] = "nothing but plain decoding runs at this batch size"
-                    break
-            log(f"[bench] {category}, {decoding.name}, batch {batch_size}:")
-            cell = Cell(category, decoding.name, not decoding.do_sample, batch_size, exact)
-            records, warmups = measure(
-                method_set.methods,
-                batches,
-                protocol,
-                log,
-                plan.reference(decoding, batches),
-                plan.warmup_item,
-            )
-            runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records, warmups))
-        if runs:
-            finished(runs, skipped)
+        if (decoding, batch_size) in done:
+            tables.append(done[decoding, batch_size])
+            continue
+        tables.append(run_table(plan, protocol, log, decoding, batch_size))
+        finished(tables)
+    runs, skipped = cells_of(tables)
     if not runs:  # a report needs a table: say why there is none rather than write an empty one
         reasons = "; ".join(f"{where}: {why}" for where, notes in skipped.items() for why in notes.values())
         raise ValueError(f"nothing was measured, every cell was skipped ({reasons})")
-    return runs, skipped
+    return tables
+
+
+def run_table(plan: Plan, protocol: Protocol, log: Log, decoding: Decoding, batch_size: int) -> TableRun:
+    """Every category with one method set (so a method's state, a weighted majority's weights,
+    carries over from category to category as in serving), and the plan's state of the table."""
+    runs: list[CellRun] = []
+    notes: dict[str, str] = {}
+    exact = protocol.dtype not in ("bfloat16", "float16")  # low precision: agreement with float32
+    method_set = None
+    for category in plan.categories:
+        batches = plan.items(category, batch_size)
+        if isinstance(batches, str):
+            notes[f"category {category}"] = batches
+            continue
+        if method_set is None:
+            method_set = plan.methods(decoding, batch_size, batches[0])
+            notes.update(method_set.skipped)
+            if len(method_set.methods) == 1:
+                notes["all methods"] = "nothing but plain decoding runs at this batch size"
+                break
+        log(f"[bench] {category}, {decoding.name}, batch {batch_size}:")
+        cell = Cell(category, decoding.name, not decoding.do_sample, batch_size, exact)
+        records, warmups = measure(
+            method_set.methods,
+            batches,
+            protocol,
+            log,
+            plan.reference(decoding, batches),
+            plan.warmup_item,
+        )
+        runs.append(CellRun(cell, {m.name: m.description for m in method_set.methods}, records, warmups))
+    return TableRun(decoding, batch_size, runs, notes, plan.table_state(decoding, batch_size))
+
+
+def cells_of(tables: Sequence[TableRun]) -> tuple[list[CellRun], dict[str, dict[str, str]]]:
+    """The tables' cells, in order, and their methods not run by table ("<decoding>, batch <b>")."""
+    skipped: dict[str, dict[str, str]] = {}
+    for table in tables:
+        skipped.setdefault(table.title, {}).update(table.skipped)
+    return [run for table in tables for run in table.runs], skipped
 
 
 def measure(

@@ -1,10 +1,13 @@
 """What the harness measures with and keeps: a `Method` and what one run of it decoded
-(`MethodResult`), the `RunRecord` of every timed run, grouped by cell (`Cell`, `CellRun`)."""
+(`MethodResult`), the `RunRecord` of every timed run, grouped by cell (`Cell`, `CellRun`) and by
+table (`TableRun`). The kept ones come back from their JSON (`from_dict`): a resumed run reads
+the tables an earlier one finished from its checkpoint."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import BatchEncoding
 
@@ -12,6 +15,8 @@ from specboost.decoder.stats import DecodeStats, merged_stats
 
 # A run of several rows keeps each row's latency and new tokens in its stats (per-token latency).
 ROW_LATENCIES, ROW_NEW_TOKENS = "row_latencies", "row_new_tokens"
+# The stats keyed by SSM number (`DecodeStats.to_dict`): JSON keys them by strings, read back as ints.
+PER_SSM = ("proposed_per_ssm", "accepted_per_ssm", "acceptance_rate_per_ssm")
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,17 @@ class RunRecord:
             built,
         )
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        """The record of its JSON (`asdict`), its per-SSM stats keyed by SSM number again, as they
+        were measured (the summary sorts SSMs by their keys)."""
+        stats = data.get("stats")
+        if stats is not None:
+            stats = stats | {
+                name: {int(i): v for i, v in stats[name].items()} for name in PER_SSM if name in stats
+            }
+        return cls(**data | {"stats": stats})
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -145,3 +161,32 @@ class CellRun:
     methods: dict[str, str]  # name -> description, in table order; the reference first
     records: list[RunRecord] = field(repr=False)
     warmup_seconds: dict[str, float] = field(default_factory=dict)  # untimed, compilation included
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CellRun:
+        """The cell's run of its JSON (`asdict`)."""
+        records = [RunRecord.from_dict(record) for record in data["records"]]
+        return cls(Cell(**data["cell"]), data["methods"], records, data["warmup_seconds"])
+
+
+@dataclass
+class TableRun:
+    """One finished table: every category decoded one way at one batch size, the methods that did
+    not run there and why, and the plan's own state of it (`Plan.table_state`), JSON-able, which a
+    resumed run hands back to its plan."""
+
+    decoding: Decoding
+    batch_size: int
+    runs: list[CellRun] = field(repr=False)
+    skipped: dict[str, str]  # method, or "category <name>" -> why it did not run
+    state: Any = None
+
+    @property
+    def title(self) -> str:
+        return f"{self.decoding.name}, batch {self.batch_size}"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TableRun:
+        """The table of its JSON (`asdict`)."""
+        runs = [CellRun.from_dict(run) for run in data["runs"]]
+        return cls(Decoding(**data["decoding"]), data["batch_size"], runs, data["skipped"], data["state"])

@@ -56,11 +56,14 @@ from specboost.decoder.bench.diversity import greedy_outputs, pool_diversity
 from specboost.decoder.bench.markdown import GENERALIST, fill_readme, markdown_report
 from specboost.decoder.bench.methods import (
     STATIC_EAGER,
+    Kept,
     Models,
     decoder_method,
     engine_method,
     generate_method,
     keeping_rows,
+    kept_from_json,
+    kept_json,
     static_compiled,
     unpadded,
 )
@@ -276,7 +279,7 @@ class SuiteConfig(Protocol):
 
         both = {"sampling pool": samplers, "greedy pool": models}
         pools = {"pool": models} if sampled is None else both  # measured_tv, diversity: each's SSMs
-        plain_rows: dict[tuple[Decoding, int], dict] = {}  # plain decoding's outputs, per item
+        plain_rows: dict[tuple[Decoding, int], Kept] = {}  # plain decoding's outputs, per item
 
         def diversity(size: int, kept: dict) -> dict[str, Any]:
             """Each pool's `Diversity` on plain decoding's greedy outputs at batch `size`: the
@@ -324,8 +327,19 @@ class SuiteConfig(Protocol):
             greedy, the pools' diversity)."""
             on = samplers if decoding.do_sample else models
             made = self.method_set(on, decoding, size, probe, generalists)
-            made.methods[0] = keeping_rows(made.methods[0], plain_rows.setdefault((decoding, size), {}))
+            plain_rows[decoding, size] = {}  # a table run again (a resumed run) keeps its own alone
+            made.methods[0] = keeping_rows(made.methods[0], plain_rows[decoding, size])
             return made
+
+        def table_state(decoding: Decoding, size: int) -> list | None:
+            """A finished table's plain outputs (its items and rows), for a checkpoint: a resumed
+            run's `results` are computed on every table's."""
+            kept = plain_rows.get((decoding, size))
+            return None if kept is None else kept_json(kept)
+
+        def restore_table(decoding: Decoding, size: int, state: list | None) -> None:
+            if state is not None:
+                plain_rows[decoding, size] = kept_from_json(state, self.device)
 
         settings = [(d, b) for b in self.batch_sizes for d in self.decodings]
         info = models.info(str(llm), str(pool) if pool else list(self.ssms))
@@ -343,7 +357,16 @@ class SuiteConfig(Protocol):
         for note in info["notes"]:
             log(f"[bench] warning: {note}")
         return Plan(
-            settings, list(workloads), items, method_set, info, reference, fixture=fixture, results=results
+            settings,
+            list(workloads),
+            items,
+            method_set,
+            info,
+            reference,
+            fixture=fixture,
+            results=results,
+            table_state=table_state,
+            restore_table=restore_table,
         )
 
     def method_set(
