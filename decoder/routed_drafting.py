@@ -20,7 +20,7 @@ from collections import Counter
 from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
-from specboost.speculator.chain_router import ChainPlan, DecisionPacing
+from specboost.speculator.chain_router import ChainPlan, DecisionPacing, PreferredAction
 from specboost.speculator.kv_cache import setup_count
 from specboost.speculator.routed_scheduler import (
     GREEDY,
@@ -130,7 +130,7 @@ class RoutedDrafting:
         self._speculated, self._hold = True, self.scheduler.hold(len(rows), self.regime)
         preferred = self.scheduler.preferred_action(self.regime)
         if self._hold is not None and not self._hold.on and preferred.action is not None:
-            return self._held(rows, depths, preferred.action, greedy)
+            return self._held(rows, depths, preferred, greedy)
         hidden = [row.hidden for row in rows]
         if gate is not None and all(state is None for state in hidden):
             return self._switched_on(rows, greedy)
@@ -145,27 +145,34 @@ class RoutedDrafting:
     def _context(
         self, gate: SpeculationGate, rows: list[SequenceState], depths: list[int], greedy: bool
     ) -> None:
-        """Rows joined: the router's advantage on their prompts' hidden states alone (the LLM's
-        pass over the prompts returns them in every regime; the rows already decoding have none
-        while the gate is off) is the gate's new context (5.4, "A new context is tried"), which
-        may start a trial of the router."""
+        """Rows joined: the router's plan on their prompts' hidden states alone (the LLM's pass
+        over the prompts returns them in every regime; the rows already decoding have none while
+        the gate is off) gives the gate its new context, its advantage (5.4, "A new context is
+        tried"), which may start a trial of the router, and the hold its preferred action
+        (`PreferredAction.seed`, 5.4 "Holding")."""
         joined = {id(row) for row in self._joining}
         self._joining = []
         new = [b for b, row in enumerate(rows) if id(row) in joined and row.hidden is not None]
         if new:
             hidden, texts = [rows[b].hidden for b in new], [rows[b].tokens for b in new]
-            advantage = self.router.advantage(hidden, [depths[b] for b in new], texts, not greedy)
-            gate.call_started(advantage)
+            opening = self.router.opening(hidden, [depths[b] for b in new], texts, not greedy)
+            gate.call_started(opening.advantage)
+            self.scheduler.preferred_action(self.regime).seed(opening)
 
     def _held(
-        self, rows: list[SequenceState], depths: list[int], action: tuple[int, int], greedy: bool
+        self, rows: list[SequenceState], depths: list[int], preferred: PreferredAction, greedy: bool
     ) -> list[TokenTree] | ChainDraft:
-        """A step of the hold regime: the preferred action drafted, nothing decided (5.4,
-        "Holding"). The pacing restarts, so that the router decides at once when it runs again, and
-        the LLM's passes keep returning the hidden states it will decide on (and keep their graphs)."""
+        """A step of the hold regime: the preferred SSM's chain drafted, at the length its measured
+        acceptance pays for (`ChainRouter.held_depth`), nothing decided (5.4, "Holding"). The
+        pacing restarts, so that the router decides at once when it runs again, and the LLM's
+        passes keep returning the hidden states it will decide on (and keep their graphs)."""
         self._holding = True
         self.pacing.restart()
-        plan = self._plan = self.router.held(*action, depths, not greedy)
+        ssm, depth_index = preferred.action
+        rate = preferred.rate(ssm)
+        if rate is not None:
+            depth_index = self.router.held_depth(ssm, rate, len(rows), not greedy)
+        plan = self._plan = self.router.held(ssm, depth_index, depths, not greedy)
         for b, record in enumerate(self.records):  # a row with no token left to draft: a plain step
             record.decided(f"held {plan.action(b)}" if plan.lengths[b] else plan.action(b), 0.0)
         return self._draft(rows, plan, greedy)
@@ -225,10 +232,13 @@ class RoutedDrafting:
             for gate in (self._gate, self._hold if self._speculated else None):
                 if gate is not None:
                     gate.step(emitted / len(accepted), step)
-        if self._plan is None or self._holding:  # a held step's estimates are nobody's: nothing learns
+        if self._plan is None:
+            return
+        matched = [len(nodes) for nodes in accepted]
+        self.scheduler.preferred_action(self.regime).outcome(self._plan, matched)
+        if self._holding:  # a held step's estimates are nobody's: the router learns nothing
             return
         start = time.perf_counter()
-        matched = [len(nodes) for nodes in accepted]
         self.router.observe(self._plan, matched, verify_seconds, self._drafting, step)
         self.pacing.observe(self._plan, matched)
         seconds = time.perf_counter() - start

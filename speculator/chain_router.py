@@ -48,6 +48,7 @@ NO_SSM = -1
 MAX_SKIP = 8  # plain steps taken without deciding, at most, after consecutive plain decisions
 MAX_HOLD = 4  # steps drafting a held action without deciding, at most, after it was chosen again
 PREFERENCE_MOMENTUM = 0.95  # per drafting step, of the older steps' weight in the preferred action
+ACCEPTANCE_MOMENTUM = 0.8  # per drafting step, of the older steps' evidence of a held SSM's acceptance
 STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch length's evidence
 OVERHEAD_MOMENTUM = 0.9  # per measured drafting step, of the step overhead's older evidence
 
@@ -329,17 +330,17 @@ class ChainRouter:
             late = behind() if behind is not None and self._costs(len(hidden), sampled)[2].any() else None
             return self.choose(f, raw, cap, late, sampled)
 
-    def advantage(
+    def opening(
         self,
         hidden: list[torch.Tensor | None],
         max_depths: list[int],
         texts: list[list[int]] | None = None,
         sampled: bool = False,
-    ) -> float:
-        """The rule's score of a step from these states over a plain step's (1: plain decoding is
-        the choice), deciding nothing: the speculation gate's context (ALGORITHMS.md 5.4, "A new
-        context")."""
-        return self._rule(hidden, max_depths, texts, None, sampled).advantage
+    ) -> ChainPlan:
+        """The rule's plan of a step from these states, deciding nothing: its `advantage` is the
+        speculation gate's context, its action the hold's preference for the call (ALGORITHMS.md
+        5.4, "A new context", "Holding")."""
+        return self._rule(hidden, max_depths, texts, None, sampled)
 
     def choose(
         self,
@@ -429,6 +430,24 @@ class ChainRouter:
         nothing = [[0.0] * len(self.depths) for _ in lengths]
         ssms = [ssm if n else NO_SSM for n in lengths]
         return ChainPlan(ssms, lengths, depth_index, nothing, list(max_depths), profiled)
+
+    def held_depth(self, ssm: int, rate: float, rows: int, sampled: bool) -> int:
+        """The grid depth (an index) at which SSM `ssm`'s chain, held for `rows` rows, brings the
+        most tokens per second, each drafted token accepted with probability `rate` once the ones
+        before it were: a chain of d tokens then brings 1 + rate (1 - rate^d) / (1 - rate) (d + 1
+        at rate 1) per row, for the profile's seconds of the step, as the rule prices it (5.3).
+        The hold's length (5.4, "Holding"): the router's preferred length is priced on its
+        predictor's estimates, which held steps do not correct (on quick-r40 a qa call whose trial
+        held SSM 1's chain of 16 ran 162 tokens/s against 205-242 for the calls off, where fixed
+        chains of 4 ran 1.22x our plain loop)."""
+        verify, draft, _ = self._costs(rows, sampled)
+        v, g, _ = self.cost_factors
+        overhead = self.overhead.seconds
+        scores = []
+        for d, length in enumerate(self._depths):
+            run = length if rate >= 1 else rate * (1 - rate**length) / (1 - rate)
+            scores.append((1 + run) / (verify[1 + d] * v + g * draft[ssm, rows, d] + overhead))
+        return int(np.argmax(scores))
 
     def plain(self, max_depths: Sequence[float]) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing
@@ -653,16 +672,20 @@ class DecisionPacing:
 
 
 class PreferredAction:
-    """The drafting action (SSM, grid depth) the router has drafted most, each step's rows weighing
-    one step together and older steps decayed by PREFERENCE_MOMENTUM per drafting step: what the
-    speculation gate's held regime drafts (ALGORITHMS.md 5.4, "Holding"). Plain steps do not count:
-    the gate weighs plain decoding as a regime of its own."""
+    """What the speculation gate's held regime drafts (ALGORITHMS.md 5.4, "Holding"): the drafting
+    action (SSM, grid depth) the router has drafted most, each step's rows weighing one step
+    together and older steps decayed by PREFERENCE_MOMENTUM per drafting step, and each SSM's
+    measured acceptance, by which `ChainRouter.held_depth` prices the held chain's length. Plain
+    steps do not count: the gate weighs plain decoding as a regime of its own."""
 
     def __init__(self) -> None:
         self.weights: dict[tuple[int, int], float] = {}
+        # per SSM, decayed sums of its chains' accepted tokens and of the chains a mismatch cut
+        self.accepted: dict[int, float] = {}
+        self.stops: dict[int, float] = {}
 
-    def observe(self, plan: ChainPlan) -> None:
-        """One step the router planned (decided, or held by `DecisionPacing`)."""
+    def observe(self, plan: ChainPlan, weight: float = 1.0) -> None:
+        """One step the router planned (decided, or held by `DecisionPacing`), weighing `weight`."""
         drafting = [i for i in plan.ssm if i != NO_SSM]
         if not drafting:
             return
@@ -670,9 +693,38 @@ class PreferredAction:
             self.weights[key] *= PREFERENCE_MOMENTUM
         for i in drafting:
             key = (i, plan.depth_index)
-            self.weights[key] = self.weights.get(key, 0.0) + 1 / len(drafting)
+            self.weights[key] = self.weights.get(key, 0.0) + weight / len(drafting)
+
+    def seed(self, plan: ChainPlan) -> None:
+        """New rows start and `plan` is the rule's choice on their prompts (`ChainRouter.opening`):
+        it weighs as much as every step before it and one more, so that a hold drafts what the
+        rule chooses for this context rather than what the calls before drafted, until the
+        router's own steps outweigh it. A plain plan leaves the preference as it is."""
+        self.observe(plan, sum(self.weights.values()) + 1)
 
     @property
     def action(self) -> tuple[int, int] | None:
         """(SSM, depth index) of the heaviest action; None before the router drafted."""
         return max(self.weights, key=self.weights.__getitem__) if self.weights else None
+
+    def outcome(self, plan: ChainPlan, accepted: Sequence[int]) -> None:
+        """A drafting step of `plan` (decided or held) whose rows accepted `accepted` tokens of
+        their chains: each drafting row's chain is a run of accepted tokens, cut by a mismatch
+        where it accepted fewer than it drafted. Older steps decay by ACCEPTANCE_MOMENTUM."""
+        rows = [(i, n, a) for i, n, a in zip(plan.ssm, plan.lengths, accepted, strict=True) if n]
+        if not rows:
+            return
+        for sums in (self.accepted, self.stops):
+            for i in sums:
+                sums[i] *= ACCEPTANCE_MOMENTUM
+        for i, drafted, matched in rows:
+            self.accepted[i] = self.accepted.get(i, 0.0) + matched
+            self.stops[i] = self.stops.get(i, 0.0) + (matched < drafted)
+
+    def rate(self, ssm: int) -> float | None:
+        """The probability that SSM `ssm`'s next drafted token is accepted, given the ones before
+        it were: accepted tokens over accepted tokens and mismatches, the maximum-likelihood rate
+        of run lengths that are geometric, a whole chain accepted being a run cut short; None
+        before it drafted."""
+        accepted, stops = self.accepted.get(ssm, 0.0), self.stops.get(ssm, 0.0)
+        return accepted / (accepted + stops) if accepted + stops > 0 else None

@@ -169,7 +169,7 @@ class SpeculationGate:
 
     def call_started(self, advantage: float) -> None:
         """New rows start (a call, or rows joining a batch): `advantage` is the router's rule's score
-        of their first step over a plain step's (`ChainRouter.advantage`), from the hidden states
+        of their first step over a plain step's (`ChainRouter.opening`), from the hidden states
         of their prompts, which every regime computes. Off (not on trial: then the router is the
         better regime, and runs after the trial), where the router last lost at a context of
         advantage A, a call of advantage CONTEXT_MARGIN x A or more is a trial of the router now,

@@ -23,7 +23,13 @@ from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.decoder.sequence import SequenceState
 from specboost.speculator import speculation_gate
-from specboost.speculator.chain_router import NO_SSM, PREFERENCE_MOMENTUM, ChainRouter, PreferredAction
+from specboost.speculator.chain_router import (
+    ACCEPTANCE_MOMENTUM,
+    NO_SSM,
+    PREFERENCE_MOMENTUM,
+    ChainRouter,
+    PreferredAction,
+)
 from specboost.speculator.routed_scheduler import GREEDY, SAMPLED, RoutedScheduler
 from specboost.speculator.speculation_gate import (
     CONTEXT_MARGIN,
@@ -458,13 +464,13 @@ def test_a_batch_context_is_its_joining_rows(monkeypatch: pytest.MonkeyPatch) ->
     of their own; later steps (no row joining) score nothing. Lossless."""
     llm, decoder = drafting_in_vain()
     scored = []
-    advantage = ChainRouter.advantage
+    opening = ChainRouter.opening
 
     def recorded(self, hidden, *args):
         scored.append([state is not None for state in hidden])
-        return advantage(self, hidden, *args)
+        return opening(self, hidden, *args)
 
-    monkeypatch.setattr(ChainRouter, "advantage", recorded)
+    monkeypatch.setattr(ChainRouter, "opening", recorded)
     prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(5))
     out = BatchedDecoder(decoder).generate(prompts, max_new_tokens=24)
     for b in range(3):
@@ -711,9 +717,9 @@ def holding(decoder: SpeculativeDecoder, ssm: int, depth_index: int, regime: str
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_hold_drafts_the_preferred_action_without_deciding(monkeypatch, rows: int) -> None:
     """In the hold regime (ALGORITHMS.md 5.4, "Holding") every speculating step drafts the preferred
-    action, shorter only where fewer tokens are wanted, and the router decides nothing and learns
-    nothing from it; the output is the LLM's greedy output, in one sequence and in a batch (whose
-    smaller buckets start holding too)."""
+    SSM's chain, the first at the preferred length (no acceptance measured yet), none longer, and
+    the router decides nothing and learns nothing from it; the output is the LLM's greedy output,
+    in one sequence and in a batch (whose smaller buckets start holding too)."""
     llm, decoder = drafting_in_vain()
     depth_index = 1
     length = decoder.speculator.router._depths[depth_index]
@@ -756,6 +762,73 @@ def test_the_preferred_action_is_what_the_router_drafted_most_lately() -> None:
         preferred.observe(router.held(0, 1, [4.0], False))
         preferred.observe(router.plain([4.0]))
     assert preferred.action == (0, 1)
+
+
+def test_a_call_holds_the_rule_s_choice_on_its_prompt() -> None:
+    """In the hold regime, a call's held steps draft the action the rule chooses on its prompt's
+    hidden state (`PreferredAction.seed`), not the one the calls before it drafted most; the
+    router's drafting steps would weigh the seed down, held ones do not. Lossless."""
+    llm, decoder = drafting_in_vain()
+    router = decoder.speculator.router
+    holding(decoder, 0, 0)  # the calls before drafted the shortest chain
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    out = decoder.generate(prompt, max_new_tokens=24)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=24, do_sample=False))
+    held = [a for a in out.stats.strategy["actions"] if a.startswith("held")]
+    assert held and all(a.startswith("held SSM 0 x") for a in held)
+    assert max(int(a.rsplit("x", 1)[1]) for a in held) == router._depths[1]  # the predictor's 4 tokens
+    assert decoder.speculator.preferred_action(GREEDY).weights[0, 1] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("matching", [False, True])
+def test_a_hold_drafts_the_length_its_measured_acceptance_pays_for(matching: bool) -> None:
+    """Held steps draft the preferred SSM's chain at the length its measured acceptance pays for
+    (`ChainRouter.held_depth`): the first at the preferred length, the rule's on the prompt
+    (nothing measured yet), then an SSM that matches nothing drafts the shortest chain, one that
+    matches every token (the LLM itself) the length the profile prices best at acceptance 1, the
+    longest here, whatever the predictor said. Lossless."""
+    llm = tiny_llama(layers=2, seed=0)
+    ssm = llm if matching else tiny_llama(layers=1, seed=5)
+    first, then = (0, 1) if matching else (1, 0)
+    predicted = [[1.0, 1.0 if matching else 4.0]] * 2  # the rule's choice: 1 token, or 4
+    decoder = routed_decoder(llm, [ssm], constant_predictor([predicted]), gate=True)
+    router = decoder.speculator.router
+    router.calibration = router.costs = router.plain_costs = None
+    holding(decoder, 0, then)
+    assert router.held_depth(0, 1.0, 1, False) == 1 and router.held_depth(0, 0.0, 1, False) == 0
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    out = decoder.generate(prompt, max_new_tokens=30)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
+    choices = out.stats.strategy["choices"]
+    lengths = [int(c.rsplit("x", 1)[1]) for c in choices if c.startswith("held")]
+    assert lengths[0] == router._depths[first]
+    assert set(lengths[1:-1]) == {router._depths[then]}  # the last may want fewer tokens
+    assert decoder.speculator.preferred_action(GREEDY).rate(0) == (1.0 if matching else 0.0)
+
+
+def test_the_measured_acceptance_is_the_rate_of_runs_cut_by_a_mismatch() -> None:
+    """Each drafting row adds its accepted tokens, and a mismatch where it accepted fewer than it
+    drafted; older steps decay by ACCEPTANCE_MOMENTUM; plain steps and rows count nothing."""
+    router = drafting_in_vain()[1].speculator.router
+    preferred = PreferredAction()
+    assert preferred.rate(0) is None
+    preferred.outcome(router.plain([4.0, 4.0]), [0, 0])
+    assert preferred.rate(0) is None
+    plan = router.held(0, 1, [4.0, 4.0, 0.0], False)  # chains of 4, 4 and none
+    preferred.outcome(plan, [4, 1, 0])  # one whole chain, one cut after a token
+    assert preferred.rate(0) == pytest.approx(5 / 6)
+    preferred.outcome(router.held(0, 0, [4.0], False), [0])  # a chain of 1 cut at once
+    m = ACCEPTANCE_MOMENTUM
+    assert preferred.rate(0) == pytest.approx(5 * m / (6 * m + 1))
+
+
+def test_a_plain_opening_leaves_the_preference_as_it_is() -> None:
+    """A seed that drafts nothing (the rule would decode the prompt plainly) changes nothing."""
+    router = drafting_in_vain()[1].speculator.router
+    preferred = PreferredAction()
+    preferred.observe(router.held(0, 1, [4.0], False))
+    preferred.seed(router.plain([4.0]))
+    assert preferred.weights == {(0, 1): 1.0}
 
 
 def test_a_held_plan_drafts_no_more_than_each_row_wants() -> None:
