@@ -684,8 +684,8 @@ class PreferredAction:
         self.accepted: dict[int, float] = {}
         self.stops: dict[int, float] = {}
 
-    def observe(self, plan: ChainPlan, weight: float = 1.0) -> None:
-        """One step the router planned (decided, or held by `DecisionPacing`), weighing `weight`."""
+    def observe(self, plan: ChainPlan) -> None:
+        """One step the router planned (decided, or held by `DecisionPacing`)."""
         drafting = [i for i in plan.ssm if i != NO_SSM]
         if not drafting:
             return
@@ -693,14 +693,21 @@ class PreferredAction:
             self.weights[key] *= PREFERENCE_MOMENTUM
         for i in drafting:
             key = (i, plan.depth_index)
-            self.weights[key] = self.weights.get(key, 0.0) + weight / len(drafting)
+            self.weights[key] = self.weights.get(key, 0.0) + 1 / len(drafting)
 
     def seed(self, plan: ChainPlan) -> None:
         """New rows start and `plan` is the rule's choice on their prompts (`ChainRouter.opening`):
-        it weighs as much as every step before it and one more, so that a hold drafts what the
-        rule chooses for this context rather than what the calls before drafted, until the
-        router's own steps outweigh it. A plain plan leaves the preference as it is."""
-        self.observe(plan, sum(self.weights.values()) + 1)
+        counted as a step, its action then weighs one step more than the heaviest did, so that a
+        hold drafts what the rule chooses for this context rather than what the calls before
+        drafted, until the router's own steps outweigh it. A plain plan leaves the preference as
+        it is. The weights stay below 1 / (1 - PREFERENCE_MOMENTUM) + 1 however many calls come:
+        a seed of the whole history's weight plus one had doubled the total at every call, and a
+        server's weights had overflowed after about a thousand calls."""
+        lead = max(self.weights.values(), default=0.0)
+        self.observe(plan)
+        for i in {i for i in plan.ssm if i != NO_SSM}:
+            key = (i, plan.depth_index)
+            self.weights[key] = max(self.weights[key], PREFERENCE_MOMENTUM * lead + 1)
 
     @property
     def action(self) -> tuple[int, int] | None:

@@ -777,7 +777,27 @@ def test_a_call_holds_the_rule_s_choice_on_its_prompt() -> None:
     held = [a for a in out.stats.strategy["actions"] if a.startswith("held")]
     assert held and all(a.startswith("held SSM 0 x") for a in held)
     assert max(int(a.rsplit("x", 1)[1]) for a in held) == router._depths[1]  # the predictor's 4 tokens
-    assert decoder.speculator.preferred_action(GREEDY).weights[0, 1] == pytest.approx(2.0)
+    weights = decoder.speculator.preferred_action(GREEDY).weights
+    assert weights == pytest.approx({(0, 0): PREFERENCE_MOMENTUM, (0, 1): PREFERENCE_MOMENTUM + 1})
+
+
+def test_seeds_lead_by_a_step_and_stay_bounded_over_many_calls() -> None:
+    """A seed's action weighs one step more than the heaviest did, whichever action led; over many
+    calls, seeded alike or in turn, the weights stay below 1 / (1 - PREFERENCE_MOMENTUM) + 1 (a
+    seed of the whole history's weight plus one had doubled them at every call: infinite after
+    about a thousand)."""
+    router = drafting_in_vain()[1].speculator.router
+    preferred = PreferredAction()
+    short, long = router.held(0, 0, [4.0], False), router.held(0, 1, [4.0], False)
+    for _ in range(5):
+        preferred.observe(long)
+    preferred.seed(short)
+    assert preferred.action == (0, 0)
+    for call in range(3000):
+        preferred.seed(short if call % 3 else long)
+        preferred.observe(long)
+    bound = 1 / (1 - PREFERENCE_MOMENTUM) + 1
+    assert all(math.isfinite(w) and w < bound for w in preferred.weights.values())
 
 
 @pytest.mark.parametrize("matching", [False, True])
