@@ -163,9 +163,11 @@ class RoutedDrafting:
         self, rows: list[SequenceState], depths: list[int], preferred: PreferredAction, greedy: bool
     ) -> list[TokenTree] | ChainDraft:
         """A step of the hold regime: the preferred SSM's chain drafted, at the length its measured
-        acceptance pays for (`ChainRouter.held_depth`), nothing decided (5.4, "Holding"). The
-        pacing restarts, so that the router decides at once when it runs again, and the LLM's
-        passes keep returning the hidden states it will decide on (and keep their graphs)."""
+        acceptance pays for (`ChainRouter.held_depth`, timed as the step's decision), nothing else
+        decided (5.4, "Holding"). The pacing restarts, so that the router decides at once when it
+        runs again, and the LLM's passes keep returning the hidden states it will decide on (and
+        keep their graphs)."""
+        start = time.perf_counter()
         self._holding = True
         self.pacing.restart()
         ssm, depth_index = preferred.action
@@ -173,8 +175,9 @@ class RoutedDrafting:
         if rate is not None:
             depth_index = self.router.held_depth(ssm, rate, len(rows), not greedy)
         plan = self._plan = self.router.held(ssm, depth_index, depths, not greedy)
+        seconds = time.perf_counter() - start  # choosing the length is deciding, if little
         for b, record in enumerate(self.records):  # a row with no token left to draft: a plain step
-            record.decided(f"held {plan.action(b)}" if plan.lengths[b] else plan.action(b), 0.0)
+            record.decided(f"held {plan.action(b)}" if plan.lengths[b] else plan.action(b), seconds)
         return self._draft(rows, plan, greedy)
 
     def _draft(
@@ -235,7 +238,8 @@ class RoutedDrafting:
         if self._plan is None:
             return
         matched = [len(nodes) for nodes in accepted]
-        self.scheduler.preferred_action(self.regime).outcome(self._plan, matched)
+        if self._hold is not None:  # a hold's length is priced on it; ungated, nothing holds
+            self.scheduler.preferred_action(self.regime).outcome(self._plan, matched)
         if self._holding:  # a held step's estimates are nobody's: the router learns nothing
             return
         start = time.perf_counter()

@@ -440,14 +440,19 @@ class ChainRouter:
         predictor's estimates, which held steps do not correct (on quick-r40 a qa call whose trial
         held SSM 1's chain of 16 ran 162 tokens/s against 205-242 for the calls off, where fixed
         chains of 4 ran 1.22x our plain loop)."""
-        verify, draft, _ = self._costs(rows, sampled)
+        if rows == 1:  # every held step runs this: plain Python on lists, as `_choose_one` decides
+            verify, draft, _ = self._costs_one(sampled)
+            drafting = draft[ssm]
+        else:
+            verify_table, draft_table, _ = self._costs(rows, sampled)
+            verify, drafting = verify_table.tolist(), draft_table[ssm, rows].tolist()
         v, g, _ = self.cost_factors
         overhead = self.overhead.seconds
         scores = []
         for d, length in enumerate(self._depths):
             run = length if rate >= 1 else rate * (1 - rate**length) / (1 - rate)
-            scores.append((1 + run) / (verify[1 + d] * v + g * draft[ssm, rows, d] + overhead))
-        return int(np.argmax(scores))
+            scores.append((1 + run) / (verify[1 + d] * v + g * drafting[d] + overhead))
+        return max(range(len(scores)), key=scores.__getitem__)
 
     def plain(self, max_depths: Sequence[float]) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing

@@ -740,6 +740,7 @@ def test_a_hold_drafts_the_preferred_action_without_deciding(monkeypatch, rows: 
         held = {a: n for a, n in report["actions"].items() if a not in ("off", "plain")}
         assert held and all(a.startswith("held SSM 0 x") for a in held), report["actions"]
         assert max(int(a.rsplit("x", 1)[1]) for a in held) == length
+        assert report["decision_seconds"] > 0  # choosing the held length counts as deciding
     if rows == 1:
         actions = reports[0]["actions"]
         assert reports[0]["hold"]["steps_off"] == sum(n for a, n in actions.items() if a != "off")
