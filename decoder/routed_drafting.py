@@ -124,15 +124,18 @@ class RoutedDrafting:
             self._context(gate, rows, depths, greedy)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None
+            self.pacing.restart()  # the router decides at once when the gate turns it on
             for record in self.records:
                 record.decided("off", 0.0)
             return self._plain_step(rows, greedy)
         self._speculated, self._hold = True, self.scheduler.hold(len(rows), self.regime)
         preferred = self.scheduler.preferred_action(self.regime)
         if self._hold is not None and not self._hold.on and preferred.action is not None:
-            return self._held(rows, depths, preferred, greedy)
+            held = self._held(rows, depths, preferred, greedy)
+            if held is not None:
+                return held
         hidden = [row.hidden for row in rows]
-        if gate is not None and all(state is None for state in hidden):
+        if gate is not None and all(state is None for state in hidden) and not self.pacing.wait:
             return self._switched_on(rows, greedy)
         behind = functools.partial(self.chains.behind, texts)
         plan = self._plan = self.router.plan(hidden, depths, self.pacing, texts, behind, not greedy)
@@ -161,19 +164,23 @@ class RoutedDrafting:
 
     def _held(
         self, rows: list[SequenceState], depths: list[int], preferred: PreferredAction, greedy: bool
-    ) -> list[TokenTree] | ChainDraft:
+    ) -> list[TokenTree] | ChainDraft | None:
         """A step of the hold regime: the preferred SSM's chain drafted, at the length its measured
         acceptance pays for (`ChainRouter.held_depth`, timed as the step's decision), nothing else
-        decided (5.4, "Holding"). The pacing restarts, so that the router decides at once when it
-        runs again, and the LLM's passes keep returning the hidden states it will decide on (and
-        keep their graphs)."""
+        decided (5.4, "Holding"); None where, at that acceptance, a plain step pays more than any
+        length: the router decides the step (on the hidden state the held steps' passes return),
+        and its steps correct what the hold drafts next (the preference, the SSMs' acceptance).
+        The pacing restarts, so that the router decides at once when it runs again, and the LLM's
+        passes keep returning the hidden states it will decide on (and keep their graphs)."""
         start = time.perf_counter()
-        self._holding = True
-        self.pacing.restart()
         ssm, depth_index = preferred.action
         rate = preferred.rate(ssm)
         if rate is not None:
             depth_index = self.router.held_depth(ssm, rate, len(rows), not greedy)
+            if depth_index is None:
+                return None
+        self._holding = True
+        self.pacing.restart()
         plan = self._plan = self.router.held(ssm, depth_index, depths, not greedy)
         seconds = time.perf_counter() - start  # choosing the length is deciding, if little
         for b, record in enumerate(self.records):  # a row with no token left to draft: a plain step
@@ -203,10 +210,14 @@ class RoutedDrafting:
     def _switched_on(self, rows: list[SequenceState], greedy: bool) -> list[TokenTree] | ChainDraft:
         """The gate turned the router on after plain steps, which compute no hidden state: a plain
         step that decides nothing, its pass returning the states, so that the next step decides on
-        them. Deciding here, on no state, had been a plain decision, which `DecisionPacing` spaced
-        out by 1 to MAX_SKIP steps more (doubling on the plain decision the router had taken before
-        the gate turned it off), their passes returning no state either: a trial of the router
-        started with up to 9 plain steps, charged to the router (ALGORITHMS.md 5.4)."""
+        them. Not after the plain steps the pacing spaces out (they read no state either, and the
+        router's plan takes them without deciding): taken for a switch, each had restarted the
+        pacing, so that a plain decision was followed by one paced step and this one, at most.
+        Deciding here, on no state, had been a plain decision, which `DecisionPacing` spaced out by
+        1 to MAX_SKIP steps more (doubling on the plain decision the router had taken before the
+        gate turned it off), their passes returning no state either: a trial of the router started
+        with up to 9 plain steps, charged to the router (ALGORITHMS.md 5.4); an off step now
+        restarts the pacing."""
         self._plan = None
         self.pacing.restart()
         for record in self.records:

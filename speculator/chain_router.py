@@ -431,11 +431,12 @@ class ChainRouter:
         ssms = [ssm if n else NO_SSM for n in lengths]
         return ChainPlan(ssms, lengths, depth_index, nothing, list(max_depths), profiled)
 
-    def held_depth(self, ssm: int, rate: float, rows: int, sampled: bool) -> int:
+    def held_depth(self, ssm: int, rate: float, rows: int, sampled: bool) -> int | None:
         """The grid depth (an index) at which SSM `ssm`'s chain, held for `rows` rows, brings the
         most tokens per second, each drafted token accepted with probability `rate` once the ones
         before it were: a chain of d tokens then brings 1 + rate (1 - rate^d) / (1 - rate) (d + 1
-        at rate 1) per row, for the profile's seconds of the step, as the rule prices it (5.3).
+        at rate 1) per row, for the profile's seconds of the step, as the rule prices it (5.3);
+        None where a plain step brings more (the rule's price of it, as `_choose_one`'s).
         The hold's length (5.4, "Holding"): the router's preferred length is priced on its
         predictor's estimates, which held steps do not correct (on quick-r40 a qa call whose trial
         held SSM 1's chain of 16 ran 162 tokens/s against 205-242 for the calls off, where fixed
@@ -446,13 +447,14 @@ class ChainRouter:
         else:
             verify_table, draft_table, _ = self._costs(rows, sampled)
             verify, drafting = verify_table.tolist(), draft_table[ssm, rows].tolist()
-        v, g, _ = self.cost_factors
+        v, g, v_plain = self.cost_factors
         overhead = self.overhead.seconds
         scores = []
         for d, length in enumerate(self._depths):
             run = length if rate >= 1 else rate * (1 - rate**length) / (1 - rate)
             scores.append((1 + run) / (verify[1 + d] * v + g * drafting[d] + overhead))
-        return max(range(len(scores)), key=scores.__getitem__)
+        best = max(range(len(scores)), key=scores.__getitem__)
+        return best if scores[best] > 1 / (verify[0] * v_plain) else None
 
     def plain(self, max_depths: Sequence[float]) -> ChainPlan:
         """A plain step for every row (nothing drafted); one shared plan per batch size (nothing

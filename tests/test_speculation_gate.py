@@ -411,6 +411,17 @@ def drafting_in_vain() -> tuple[torch.nn.Module, SpeculativeDecoder]:
     return llm, decoder
 
 
+def drafting_exactly(predicted: list[float] | None = None) -> tuple[torch.nn.Module, SpeculativeDecoder]:
+    """`drafting_in_vain`'s decoder (its predictor's estimates `predicted` per depth, by default
+    1 and 4 tokens), its one SSM the LLM itself: every draft matches, so a hold keeps drafting."""
+    llm = tiny_llama(layers=2, seed=0)
+    predictor = constant_predictor([[predicted or [1.0, 4.0]] * 2])
+    decoder = routed_decoder(llm, [llm], predictor, gate=True)
+    router = decoder.speculator.router
+    router.calibration = router.costs = router.plain_costs = None
+    return llm, decoder
+
+
 def test_declining_through_the_gate_is_lossless_and_mostly_off() -> None:
     """SSMs that match nothing, a predictor and a profile that say drafting pays: the router drafts
     every step it decides, measured slower than plain steps, so the gate keeps it off for most of
@@ -719,8 +730,9 @@ def test_a_hold_drafts_the_preferred_action_without_deciding(monkeypatch, rows: 
     """In the hold regime (ALGORITHMS.md 5.4, "Holding") every speculating step drafts the preferred
     SSM's chain, the first at the preferred length (no acceptance measured yet), none longer, and
     the router decides nothing and learns nothing from it; the output is the LLM's greedy output,
-    in one sequence and in a batch (whose smaller buckets start holding too)."""
-    llm, decoder = drafting_in_vain()
+    in one sequence and in a batch (whose smaller buckets start holding too). The SSM is the LLM
+    itself: a chain that matches nothing is not held (the next test)."""
+    llm, decoder = drafting_exactly()
     depth_index = 1
     length = decoder.speculator.router._depths[depth_index]
     holding(decoder, 0, depth_index)
@@ -769,7 +781,7 @@ def test_a_call_holds_the_rule_s_choice_on_its_prompt() -> None:
     """In the hold regime, a call's held steps draft the action the rule chooses on its prompt's
     hidden state (`PreferredAction.seed`), not the one the calls before it drafted most; the
     router's drafting steps would weigh the seed down, held ones do not. Lossless."""
-    llm, decoder = drafting_in_vain()
+    llm, decoder = drafting_exactly()
     router = decoder.speculator.router
     holding(decoder, 0, 0)  # the calls before drafted the shortest chain
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
@@ -801,30 +813,44 @@ def test_seeds_lead_by_a_step_and_stay_bounded_over_many_calls() -> None:
     assert all(math.isfinite(w) and w < bound for w in preferred.weights.values())
 
 
-@pytest.mark.parametrize("matching", [False, True])
-def test_a_hold_drafts_the_length_its_measured_acceptance_pays_for(matching: bool) -> None:
+def test_a_hold_drafts_the_length_its_measured_acceptance_pays_for() -> None:
     """Held steps draft the preferred SSM's chain at the length its measured acceptance pays for
     (`ChainRouter.held_depth`): the first at the preferred length, the rule's on the prompt
-    (nothing measured yet), then an SSM that matches nothing drafts the shortest chain, one that
-    matches every token (the LLM itself) the length the profile prices best at acceptance 1, the
-    longest here, whatever the predictor said. Lossless."""
-    llm = tiny_llama(layers=2, seed=0)
-    ssm = llm if matching else tiny_llama(layers=1, seed=5)
-    first, then = (0, 1) if matching else (1, 0)
-    predicted = [[1.0, 1.0 if matching else 4.0]] * 2  # the rule's choice: 1 token, or 4
-    decoder = routed_decoder(llm, [ssm], constant_predictor([predicted]), gate=True)
+    (nothing measured yet), then, an SSM that matches every token (the LLM itself), the length
+    the profile prices best at acceptance 1, the longest here, whatever the predictor said.
+    Lossless."""
+    llm, decoder = drafting_exactly([1.0, 1.0])  # the rule's choice: 1 token
     router = decoder.speculator.router
-    router.calibration = router.costs = router.plain_costs = None
-    holding(decoder, 0, then)
-    assert router.held_depth(0, 1.0, 1, False) == 1 and router.held_depth(0, 0.0, 1, False) == 0
+    holding(decoder, 0, 1)
+    assert router.held_depth(0, 1.0, 1, False) == 1
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
     out = decoder.generate(prompt, max_new_tokens=30)
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
     choices = out.stats.strategy["choices"]
     lengths = [int(c.rsplit("x", 1)[1]) for c in choices if c.startswith("held")]
-    assert lengths[0] == router._depths[first]
-    assert set(lengths[1:-1]) == {router._depths[then]}  # the last may want fewer tokens
-    assert decoder.speculator.preferred_action(GREEDY).rate(0) == (1.0 if matching else 0.0)
+    assert lengths[0] == router._depths[0]
+    assert set(lengths[1:-1]) == {router._depths[1]}  # the last may want fewer tokens
+    assert decoder.speculator.preferred_action(GREEDY).rate(0) == 1.0
+
+
+def test_a_hold_whose_chain_pays_less_than_a_plain_step_lets_the_router_decide() -> None:
+    """Where the held SSM's measured acceptance makes a plain step pay more than its chain at any
+    length (`held_depth` None), the router decides the step instead of drafting the chain (held
+    chains of 1 had been drafted at an acceptance of 0): an SSM that matches nothing is held for
+    the first step only, the router decides every speculating step after it. Lossless."""
+    llm, decoder = drafting_in_vain()
+    router = decoder.speculator.router
+    assert router.held_depth(0, 0.0, 1, False) is None and router.held_depth(0, 0.0, 3, False) is None
+    assert router.held_depth(0, 1.0, 1, False) == 1
+    holding(decoder, 0, 1)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    out = decoder.generate(prompt, max_new_tokens=30)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
+    choices = out.stats.strategy["choices"]
+    assert choices[0] == f"held SSM 0 x{router._depths[1]}"
+    assert not any(c.startswith("held") for c in choices[1:]), choices
+    assert any(c.startswith("SSM 0") for c in choices[1:]), choices  # decided: the made-up estimates pay
+    assert decoder.speculator.preferred_action(GREEDY).rate(0) == 0.0
 
 
 def test_the_measured_acceptance_is_the_rate_of_runs_cut_by_a_mismatch() -> None:
@@ -866,7 +892,29 @@ def test_the_hold_gate_runs_the_faster_of_deciding_and_holding(monkeypatch: pyte
     """Where held steps are measured faster than the router's (here the router's steps sleep 20 ms
     more), the hold gate keeps holding for most of the speculating steps; the output is still the
     LLM's."""
-    llm, decoder = drafting_in_vain()
+    llm, decoder = drafting_exactly()
     slow_proposals(monkeypatch, lambda drafting: drafting._plan is not None and not drafting._holding, 0.02)
     monkeypatch.setattr(decoder.speculator, "gate", lambda *a: None)  # speculate on every step
     mostly_off(llm, decoder, "hold")
+
+
+def test_the_gate_on_keeps_the_pacing_of_plain_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate on and the router declining every step: its decisions come 1, 2, 4, then 8 plain
+    steps apart (`DecisionPacing`), as without the gate. The paced plain steps' passes return no
+    hidden state, and the step after each had been taken for the gate's switch on (a plain step
+    that restarts the pacing): a decision every second or third step. Lossless."""
+    llm = tiny_llama(layers=2, seed=0)
+    declining = constant_predictor([[[0.0, 0.0]] * 2])
+    decoder = routed_decoder(llm, [tiny_llama(layers=1, seed=5)], declining, gate=True)
+    router = decoder.speculator.router
+    router.calibration = router.costs = router.plain_costs = None  # declining on the made-up numbers
+    gate = decoder.speculator.gate(1, GREEDY)
+    gate.owed = math.inf  # on for good: no trial of plain decoding comes due
+    rules = []
+    rule = ChainRouter._rule
+    monkeypatch.setattr(ChainRouter, "_rule", lambda *a, **k: rules.append(1) or rule(*a, **k))
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    out = decoder.generate(prompt, max_new_tokens=40)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
+    assert gate.on and set(out.stats.strategy["actions"]) == {"plain"}
+    assert len(rules) == 1 + 7  # the prompt's context, then steps 0, 2, 5, 10, 19, 28 and 37
