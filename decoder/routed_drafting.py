@@ -93,18 +93,21 @@ class RoutedDrafting:
 
     def wants_hidden(self) -> bool:
         """Whether this step's verification must return the hidden states: only while the gate is on,
-        and not before the plain steps `DecisionPacing` spaces out (those read no state). The first
-        step after the gate turns on then has no state to route on, and is a plain step that decides
+        and not for a held chain (5.4, "Holding") or the plain steps `DecisionPacing` spaces out:
+        none of them reads a state. The first step after the gate turns on, or after a held step
+        where the router decides, then has no state to route on, and is a plain step that decides
         nothing (`_switched_on`): computing the states at every window's end had cost 10% of an off
         stretch's time (a pass with another graph, and on the CPU its own frozen copy of the weights,
-        once every 16 steps). The steps that draft a held decision (or the hold gate's preferred
-        action) read no state either, but their passes return it: a chain's pass without it is
-        another graph per chain length, (rows, capacity) and LLM, 4 more on the tiny fixture's 6,
-        whose warm-up took 94 s against 79 s with a warm compile cache. Rows that join a group
-        while its decisions are spaced out (`add` restarts the pacing) route the next step with the
-        states they read; the rows already there have none and draft nothing for that step."""
+        once every 16 steps). Held chains' passes returned the states until 2026-12-06, to keep the
+        graphs fewer (a chain's pass without them is another graph per chain length: on the tiny
+        fixture 4 more of 6, warm-up 94 s against 79 s with a warm compile cache); the pass with them
+        took 1.08 ms against 0.97-0.99 (the predictor's head is 5% of the tiny LLM's compute). The
+        steps that draft a held decision of the router's pacing still return them: the router decides
+        again after them. Rows that join a group while its decisions are spaced out (`add` restarts
+        the pacing) route the next step with the states they read; the rows already there have none
+        and draft nothing for that step."""
         paced_plain = self.pacing.wait and self.pacing.held is None
-        return (self._gate is None or self._gate.on) and not paced_plain
+        return (self._gate is None or self._gate.on) and not paced_plain and not self._holding
 
     def propose(
         self, rows: list[SequenceState], depths: list[int], lengths: list[int | None]

@@ -918,3 +918,23 @@ def test_the_gate_on_keeps_the_pacing_of_plain_decisions(monkeypatch: pytest.Mon
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
     assert gate.on and set(out.stats.strategy["actions"]) == {"plain"}
     assert len(rules) == 1 + 7  # the prompt's context, then steps 0, 2, 5, 10, 19, 28 and 37
+
+
+def test_a_held_chain_s_pass_returns_no_hidden_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held steps decide nothing, so their passes return no hidden state (the LLM's pass through
+    the predictor's head costs 10% more on the tiny fixture); every other speculating step's does.
+    Lossless."""
+    llm, decoder = drafting_exactly()
+    holding(decoder, 0, 1)
+    asked = []
+    wants = RoutedDrafting.wants_hidden
+
+    def recorded(drafting: RoutedDrafting) -> bool:
+        asked.append((drafting._holding, wants(drafting)))
+        return asked[-1][1]
+
+    monkeypatch.setattr(RoutedDrafting, "wants_hidden", recorded)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    out = decoder.generate(prompt, max_new_tokens=30)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
+    assert any(held for held, _ in asked) and all(not hidden for held, hidden in asked if held)
