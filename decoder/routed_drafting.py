@@ -171,10 +171,10 @@ class RoutedDrafting:
         """A step of the hold regime: the preferred SSM's chain drafted, at the length its measured
         acceptance pays for (`ChainRouter.held_depth`, timed as the step's decision), nothing else
         decided (5.4, "Holding"); None where, at that acceptance, a plain step pays more than any
-        length: the router decides the step (on the hidden state the held steps' passes return),
-        and its steps correct what the hold drafts next (the preference, the SSMs' acceptance).
-        The pacing restarts, so that the router decides at once when it runs again, and the LLM's
-        passes keep returning the hidden states it will decide on (and keep their graphs)."""
+        length: the router decides the step (after a plain step that returns the state, where the
+        step before was held: held passes return none, `wants_hidden`), and its steps correct what
+        the hold drafts next (the preference, the SSMs' acceptance). The pacing restarts, so that
+        the router decides at once when it runs again."""
         start = time.perf_counter()
         ssm, depth_index = preferred.action
         rate = preferred.rate(ssm)
