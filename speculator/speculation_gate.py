@@ -124,6 +124,8 @@ class SpeculationGate:
         self.trial = False  # the current window tries the regime that lost last
         self.steps = {True: 0, False: 0}  # steps taken in each regime
         self.lost = 0.0  # seconds the trials that lost cost, summed
+        self.trials = {True: 0, False: 0}  # trials of each regime started, and those it won
+        self.won = {True: 0, False: 0}
         self._window = [0.0, 0.0]  # tokens, seconds of the window in progress
         self._switch = [0.0, 0.0]  # tokens, seconds of the settling since the last switch
         self._settling = 0.0  # tokens per row still to settle
@@ -186,7 +188,8 @@ class SpeculationGate:
             return
         self.measured[False].add(*self._window)  # off's window so far is off's evidence
         self._window, self._switch = [0.0, 0.0], [0.0, 0.0]
-        self.on, self.trial, self.since, self._settling = True, True, 0, self.settle
+        self._try(True)
+        self._settling = self.settle
         self._on_context = advantage
         self.context_trials += 1
 
@@ -227,17 +230,24 @@ class SpeculationGate:
                 return
             if best != self.on:  # the evidence turned: a trial of the other, judged on what it measures now
                 self._lost_at(best)
-                self.on, self.trial, self.since = best, True, 0
+                self._try(best)
                 return
             if self.trial:  # the trial won: its regime takes over, owing nothing to the one it beat
                 self._lost_at(best)
+                self.won[best] += 1
                 self.trial, self.since, self.streak, self.owed = False, 0, 0, 0.0
                 return
         self.owed = max(0.0, self.owed - seconds)
         self.since += 1
         waited = self.since >= MIN_WAIT or rates[other] is None  # never measured: once nothing is owed
         if (self.owed == 0.0 and waited) or self.since >= MAX_WAIT:
-            self.on, self.trial, self.since, self.owed = other, True, 0, 0.0
+            self._try(other)
+            self.owed = 0.0
+
+    def _try(self, regime: bool) -> None:
+        """A trial of `regime` starts."""
+        self.on, self.trial, self.since = regime, True, 0
+        self.trials[regime] += 1
 
     def _lost_at(self, best: bool) -> None:
         """Plain decoding measured better than the router (`best` False): remember the highest
@@ -254,16 +264,25 @@ class SpeculationGate:
 
     def report(self) -> dict:
         """Steps in each regime, each regime's measured rate (tokens per row per second: at batch 1
-        tokens per second), the seconds the trials that lost cost, the trials a call's context
-        started, the newest call's context and the one where the router last lost."""
+        tokens per second), the trials of each regime and those it won, the seconds the trials that
+        lost cost, the trials a call's context started, the newest call's context and the one where
+        the router last lost, the regime now, and the seconds of it still owed before the next trial
+        and the trials lost in a row that set them (what keeps a regime that lost off: 5.4)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         return {
             "steps_on": self.steps[True],
             "steps_off": self.steps[False],
             "tokens_per_second_on": rates[True],
             "tokens_per_second_off": rates[False],
+            "trials_on": self.trials[True],
+            "trials_on_won": self.won[True],
+            "trials_off": self.trials[False],
+            "trials_off_won": self.won[False],
             "seconds_lost": self.lost,
             "context_trials": self.context_trials,
             "context": self.context,
             "lost_context": self.lost_context,
+            "on": self.on,
+            "seconds_owed": self.owed,
+            "lost_in_a_row": self.streak,
         }

@@ -941,3 +941,23 @@ def test_a_held_chain_s_pass_returns_no_hidden_state(monkeypatch: pytest.MonkeyP
     out = decoder.generate(prompt, max_new_tokens=30)
     assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=30, do_sample=False))
     assert any(held for held, _ in asked) and all(not hidden for held, hidden in asked if held)
+
+
+def test_the_report_counts_each_regimes_trials_and_what_keeps_the_loser_off() -> None:
+    """Off's first window is a trial, which it wins where it is faster; every later switch to the
+    router is a trial too, and each loses, in a row: the report counts them and says what the
+    last left owed. Once the router is faster, its next trial wins and clears both."""
+    gate = SpeculationGate()
+    regimes = [*run(gate, 60, {True: 800.0, False: 1000.0}), gate.on]
+    report = gate.report()
+    switches_on = sum(not before and after for before, after in itertools.pairwise(regimes))
+    assert (report["trials_off"], report["trials_off_won"]) == (1, 1)
+    assert report["trials_on"] == switches_on >= 2 and report["trials_on_won"] == 0
+    assert report["lost_in_a_row"] == switches_on and report["seconds_lost"] > 0
+    assert not report["on"] and report["seconds_owed"] == gate.owed > 0
+    while not gate.on:
+        run(gate, 1, {True: 1500.0, False: 1000.0})
+    run(gate, 1, {True: 1500.0, False: 1000.0})  # the trial's window: won
+    report = gate.report()
+    assert (report["trials_on"], report["trials_on_won"]) == (switches_on + 1, 1)
+    assert report["on"] and report["lost_in_a_row"] == 0 and report["seconds_owed"] == 0.0

@@ -24,12 +24,14 @@ from specboost.decoder.bench.markdown import (
     actions_line,
     chains_by_category,
     fill_readme,
+    gate_line,
     headline_markdown,
     markdown_report,
     markdown_table,
     results_page,
     speculative,
 )
+from specboost.decoder.bench.methods import batch_choices
 from specboost.decoder.bench.protocol import GREEDY, Plan, Protocol, Report, measure, run_cells
 from specboost.decoder.bench.records import (
     Cell,
@@ -47,6 +49,7 @@ from specboost.decoder.bench.summary import (
     accepted_at_least,
     action_shares,
     best_fixed,
+    gate_report,
     median_per_token_latency,
     summarise,
     tables,
@@ -606,6 +609,69 @@ def test_a_report_without_actions_renders_and_its_json_keeps_the_new_fields(tmp_
     last = [r for r in data["runs"][0]["records"] if r["method"] == "learned"][-1]
     assert last["stats"]["strategy"]["actions"] == {"SSM 0 x2": 7}  # stories, repeat 2
     assert " chose: SSM 1 x4 61%" in (tmp_path / "out" / "report.md").read_text()
+
+
+def gate_state(steps_on: int, steps_off: int, owed: float) -> dict:
+    """A speculation gate's report (`SpeculationGate.report`) after `steps_on + steps_off` steps."""
+    return {
+        "steps_on": steps_on,
+        "steps_off": steps_off,
+        "tokens_per_second_on": 900.0,
+        "tokens_per_second_off": 1000.0,
+        "trials_on": 3,
+        "trials_on_won": 1,
+        "trials_off": 2,
+        "trials_off_won": 2,
+        "seconds_lost": 0.0125,
+        "context_trials": 1,
+        "context": 1.5,
+        "lost_context": 1.4,
+        "on": False,
+        "seconds_owed": owed,
+        "lost_in_a_row": 2,
+    }
+
+
+def test_the_gate_line_reads_the_report_after_the_last_call(tmp_path: Path) -> None:
+    """A gate counts over every call of its decoder, so the table's line reads the report with the
+    most steps, whichever record comes last in the file; rows without a gate get no line."""
+    runs = learned_runs(ACTIONS)
+    learned = [r for run in runs for r in run.records if r.method == "learned"]
+    for k, record in enumerate(learned):  # the last call's report sits in the middle of the list
+        record.stats["strategy"]["gate"] = gate_state(10 * k, 40, 0.5) if k != 2 else gate_state(70, 50, 0.25)
+    row = tables(runs)[0].row("learned")
+    assert row.gate["steps_on"] == 70 and gate_report([]) is None
+    assert gate_line(row) == (
+        "`learned`'s speculation gate (warm-up calls included): on for 58% of 120 steps; trials of "
+        "speculation 3 (1 won, 1 started by a call's context), of plain decoding 2 (2 won); the lost "
+        "ones cost 0.013 s. After the last call: off, 0.250 s owed before the next trial (2 lost in a row)."
+    )
+    text = markdown_table(tables(runs)[0])
+    assert text.count("speculation gate") == 1 and f"\n{gate_line(row)}\n" in text
+
+
+def test_a_batch_s_rows_report_their_group_s_latest_gate() -> None:
+    """The rows of a batch share their group's gate, and each row's record takes its report as the
+    row finishes: the batch's record keeps the latest (most steps), beside the actions counted per
+    row; rows of an ungated scheduler report none."""
+    rows = [
+        {
+            "strategy": "learned",
+            "actions": {"off": 30},
+            "decision_seconds": 0.1,
+            "gate": gate_state(0, 30, 0.5),
+        },
+        {
+            "strategy": "learned",
+            "actions": {"off": 40},
+            "decision_seconds": 0.2,
+            "gate": gate_state(0, 40, 0.4),
+        },
+    ]
+    merged = batch_choices(rows)
+    assert merged["gate"]["steps_off"] == 40 and merged["actions"] == {"off": 70}
+    assert "gate" not in batch_choices([{k: v for k, v in row.items() if k != "gate"} for row in rows])
+    assert batch_choices([{"strategy": "chain"}]) == {}
 
 
 def test_the_hindsight_walk_and_the_match_matrix_on_known_matches(tmp_path: Path) -> None:

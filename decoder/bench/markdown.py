@@ -105,7 +105,8 @@ def grid(header: list[str], rows: list[list[str]]) -> str:
 def markdown_table(table: Table) -> str:
     """The headline table (categories together), ranked, and the speedup of every category; with
     several rows per item, the per-token latency. Under it the fastest fixed row (the reference of
-    "vs best fixed") and, per scheduler that reports its actions, what it chose how often."""
+    "vs best fixed") and, per scheduler that reports its actions, what it chose how often and what
+    its speculation gate did."""
     batched = any(row.per_token_latency is not None for row in table.rows)
     header = ["rank", "method", "tokens/step", "drafted/step", "acceptance", "per SSM", "draft/verify/other"]
     header += ["tokens/s", *(["ms/token first / last / mean"] if batched else [])]
@@ -141,6 +142,7 @@ def markdown_table(table: Table) -> str:
         if row.decision_share is not None
     ]
     lines += [f"\n{actions_line(row)}" for row in table.rows if row.action_shares is not None]
+    lines += [f"\n{gate_line(row)}" for row in table.rows if row.gate is not None]
     if table.compiled_warmup:
         lines.append(
             "\nCompiled methods: untimed warm-up on every prompt (graph compilation included), seconds: "
@@ -258,6 +260,24 @@ def actions_line(row: MethodRow) -> str:
     if rest := shares[MOST_ACTIONS:]:
         parts.append(f"other {sum(share for _, share in rest):.0%}")
     return f"`{row.method}` chose: {', '.join(parts)} (of {row.action_steps} steps)."
+
+
+def gate_line(row: MethodRow) -> str:
+    """What a scheduler's speculation gate did over the table (ALGORITHMS.md 5.4): its steps on,
+    its trials of each regime and those won, what the lost ones cost, and, after the last call, its
+    regime and the seconds of it owed before the next trial (what keeps a regime that lost off)."""
+    gate = row.gate
+    steps = gate["steps_on"] + gate["steps_off"]
+    on = gate["steps_on"] / steps if steps else 0.0
+    regime = "speculating" if gate["on"] else "off"
+    return (
+        f"`{row.method}`'s speculation gate (warm-up calls included): on for {on:.0%} of {steps} steps; "
+        f"trials of speculation {gate['trials_on']} ({gate['trials_on_won']} won, "
+        f"{gate['context_trials']} started by a call's context), of plain decoding {gate['trials_off']} "
+        f"({gate['trials_off_won']} won); the lost ones cost {gate['seconds_lost']:.3f} s. After the last "
+        f"call: {regime}, {gate['seconds_owed']:.3f} s owed before the next trial "
+        f"({gate['lost_in_a_row']} lost in a row)."
+    )
 
 
 def draft_cost_line(table: Table, ssm_seconds: dict[str, list[float]]) -> str:

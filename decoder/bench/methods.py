@@ -18,7 +18,7 @@ import torch
 from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import CompileConfig
 
-from specboost.decoder.bench.records import Decoding, Method, MethodResult
+from specboost.decoder.bench.records import Decoding, Method, MethodResult, latest_gate
 from specboost.decoder.compilation import compile_options
 from specboost.decoder.decoder import SpeculativeDecoder
 from specboost.decoder.engine import Engine, EngineConfig
@@ -226,16 +226,19 @@ def engine_method(
 
 def batch_choices(reports: list[dict]) -> dict:
     """The rows' records of a scheduler that decides for a batch (the routed scheduler, ALGORITHMS.md
-    5.3) as one: its actions counted per row and step, and its decision seconds, which every row's
-    record holds for the steps it took part in (the longest row's: all of one group's). {} for
-    other strategies."""
+    5.3) as one: its actions counted per row and step, its decision seconds, which every row's
+    record holds for the steps it took part in (the longest row's: all of one group's), and its
+    speculation gate's report, which each row's record takes as the row finishes (the latest: the
+    one of most steps). {} for other strategies."""
     if not reports or not all("actions" in report for report in reports):
         return {}
     actions: Counter[str] = Counter()
     for report in reports:
         actions.update(report["actions"])
     decision = max(report["decision_seconds"] for report in reports)
-    return {"strategy": reports[0]["strategy"], "actions": dict(actions), "decision_seconds": decision}
+    merged = {"strategy": reports[0]["strategy"], "actions": dict(actions), "decision_seconds": decision}
+    gate = latest_gate(report["gate"] for report in reports if "gate" in report)
+    return merged if gate is None else merged | {"gate": gate}
 
 
 def queued(method: Method, size: int) -> Method:

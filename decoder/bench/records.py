@@ -5,7 +5,7 @@ the tables an earlier one finished from its checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,13 @@ GREEDY = Decoding()
 
 def row_stats(latencies: Sequence[float], new_tokens: Sequence[int]) -> dict[str, list]:
     return {ROW_LATENCIES: list(latencies), ROW_NEW_TOKENS: list(new_tokens)}
+
+
+def latest_gate(reports: Iterable[dict]) -> dict | None:
+    """The latest of a decoder's speculation gate reports (`SpeculationGate.report`, ALGORITHMS.md
+    5.4): a gate lives from the decoder's warm-up to its last call and counts every step in it, so
+    the latest report is the one of most steps. None for none."""
+    return max(reports, key=lambda gate: gate["steps_on"] + gate["steps_off"], default=None)
 
 
 @dataclass

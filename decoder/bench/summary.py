@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from specboost.decoder.bench.records import ROW_LATENCIES, ROW_NEW_TOKENS, CellRun, RunRecord
+from specboost.decoder.bench.records import ROW_LATENCIES, ROW_NEW_TOKENS, CellRun, RunRecord, latest_gate
 from specboost.decoder.stats import per_token_latency
 
 PLAIN = "plain"  # the reference method of every cell (runs first)
@@ -70,6 +70,7 @@ class MethodRow:
     decision_share: float | None = None  # a scheduler's decision time / the method's wall time
     action_shares: dict[str, float] | None = None  # a scheduler's action -> share of steps, largest first
     action_steps: int = 0  # the steps `action_shares` are shares of
+    gate: dict | None = None  # the speculation gate's report after the table's last call (`gate_report`)
     agreement_with_float32: float | None = None  # low precision: share of outputs = float32 plain's
     rank: int | None = None  # 1 = fastest; None: not ranked
 
@@ -119,6 +120,7 @@ def summarise(
                 decision_share=decision_share(rs),
                 action_shares=shares,
                 action_steps=steps,
+                gate=gate_report(rs),
                 agreement_with_float32=sum(r.identical for r in rs) / len(rs)
                 if greedy and not exact
                 else None,
@@ -234,6 +236,14 @@ def action_shares(records: Sequence[RunRecord]) -> tuple[dict[str, float] | None
     steps = sum(counts.values())
     ordered = sorted(((name, n) for name, n in counts.items() if n), key=lambda item: (-item[1], item[0]))
     return ({name: n / steps for name, n in ordered} if steps else None), steps
+
+
+def gate_report(records: Sequence[RunRecord]) -> dict | None:
+    """The speculation gate's report after the last of the records' calls (`latest_gate`: it counts
+    every call before it, warm-up calls included). None where no record reports a gate (a fixed
+    strategy, an ungated scheduler)."""
+    strategies = [r.stats.get("strategy", {}) for r in records if r.stats]
+    return latest_gate(strategy["gate"] for strategy in strategies if "gate" in strategy)
 
 
 @dataclass
