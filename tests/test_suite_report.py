@@ -648,6 +648,10 @@ def test_the_gate_line_reads_the_report_after_the_last_call(tmp_path: Path) -> N
     )
     text = markdown_table(tables(runs)[0])
     assert text.count("speculation gate") == 1 and f"\n{gate_line(row)}\n" in text
+    for record in learned:  # reports from before the trial counts (an older checkpoint): no line
+        record.stats["strategy"]["gate"] = {"steps_on": 70, "steps_off": 50, "seconds_lost": 0.0}
+    assert tables(runs)[0].row("learned").gate is None
+    assert "speculation gate" not in markdown_table(tables(runs)[0])
 
 
 def test_a_batch_s_rows_report_their_group_s_latest_gate() -> None:

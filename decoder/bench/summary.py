@@ -241,9 +241,11 @@ def action_shares(records: Sequence[RunRecord]) -> tuple[dict[str, float] | None
 def gate_report(records: Sequence[RunRecord]) -> dict | None:
     """The speculation gate's report after the last of the records' calls (`latest_gate`: it counts
     every call before it, warm-up calls included). None where no record reports a gate (a fixed
-    strategy, an ungated scheduler)."""
+    strategy, an ungated scheduler) or where the reports predate the trial counts (records a
+    resumed run reads from an older checkpoint)."""
     strategies = [r.stats.get("strategy", {}) for r in records if r.stats]
-    return latest_gate(strategy["gate"] for strategy in strategies if "gate" in strategy)
+    gates = [strategy["gate"] for strategy in strategies if "gate" in strategy]
+    return latest_gate(gate for gate in gates if "trials_on" in gate)
 
 
 @dataclass
