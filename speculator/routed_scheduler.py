@@ -40,6 +40,7 @@ from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
 GREEDY, SAMPLED, SEEDED = "greedy", "sampled", "seeded"  # learning regimes: `learning_regime`
+ALWAYS_HELD_ROWS = 1  # batch sizes whose speculating steps all hold (ALGORITHMS.md 5.4, "Holding at batch 1")
 
 
 def learning_regime(do_sample: bool, seeded: bool) -> str:
@@ -210,10 +211,13 @@ class RoutedScheduler:
         """The gate that, while `gate` speculates, chooses between the router deciding every step
         ("on") and its preferred action held without deciding ("off": `preferred_action`), for
         groups of `rows` rows in `regime`; bucketed and started like `gate`, its first trial of
-        holding measured (ALGORITHMS.md 5.4, "Holding"). None when not `gated`."""
+        holding measured (ALGORITHMS.md 5.4, "Holding"). At batch size ALWAYS_HELD_ROWS or below
+        it is pinned off: every speculating step holds, and the router decides only where the held
+        chain pays less than a plain step (`ChainRouter.held_depth`). None when not `gated`."""
         if not self.gated:
             return None
-        return _bucket_gate(self.holds, bucket(rows), regime, None)
+        size = bucket(rows)
+        return _bucket_gate(self.holds, size, regime, None, False if size <= ALWAYS_HELD_ROWS else None)
 
     def preferred_action(self, regime: str) -> PreferredAction:
         """The drafting action `regime`'s router has drafted most, which a hold drafts."""
@@ -274,9 +278,10 @@ def _bucket_gate(
     size: int,
     regime: str,
     price: Callable[[], float] | None,
+    pinned: bool | None = None,
 ) -> SpeculationGate:
     """The gate of bucket `size` and `regime` in `gates`, made where missing in the regime's nearest
-    bucket's state (`RoutedScheduler.gate`)."""
+    bucket's state (`RoutedScheduler.gate`), `pinned` to a regime where given."""
     key = (size, regime)
     if key not in gates:
         nearest = min(
@@ -285,7 +290,7 @@ def _bucket_gate(
             default=None,
         )
         like = None if nearest is None else gates[nearest, regime]
-        gates[key] = SpeculationGate(size, like, price)
+        gates[key] = SpeculationGate(size, like, price, pinned)
     return gates[key]
 
 

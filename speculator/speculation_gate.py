@@ -105,18 +105,23 @@ class SpeculationGate:
     """Whether the routed scheduler decides the next step (`on`) or the step is plain; `step`
     records each step's tokens and seconds. Starts on; measures off in its second window, or where
     `price_off` says what a plain step costs (seconds, per row a token), once the first trial of
-    off, priced from it, is paid for like a lost one."""
+    off, priced from it, is paid for like a lost one. A `pinned` gate stays in that regime and
+    only measures it (the hold at batch 1: `RoutedScheduler.hold`)."""
 
     def __init__(
         self,
         rows: int = 1,
         like: SpeculationGate | None = None,
         price_off: Callable[[], float] | None = None,
+        pinned: bool | None = None,
     ) -> None:
         self.window = max(MIN_WINDOW_TOKENS, WINDOW_TOKENS // rows)  # a batch's steps take longer
         self.settle = self.window // SETTLE_SHARE  # tokens per row after a switch, not measured
         self.price_off = price_off  # read once, after the first window, if that was on's
+        self.pinned = pinned
         self.on = True if like is None else like.on  # another batch size's gate: start in its regime
+        if pinned is not None:
+            self.on = pinned
         self.measured = {True: Throughput(), False: Throughput()}
         self.owed = 0.0 if like is None else like.owed  # seconds of the better regime before a trial
         self.streak = 0 if like is None else like.streak  # trials lost in a row
@@ -213,7 +218,9 @@ class SpeculationGate:
         trial that lost cost what the better regime would have saved on its tokens, and that cost,
         over the exploring share, is owed in seconds of the better regime before the other's next
         trial. The share is EXPLORE_SHARE over the trials lost in a row (at most MAX_STREAK of
-        them)."""
+        them). A pinned gate never switches."""
+        if self.pinned is not None:
+            return
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         other = not self.on
         if rates[other] is None and self.on and self.price_off is not None and rates[True]:

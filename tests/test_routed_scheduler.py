@@ -20,7 +20,7 @@ from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.engine import Engine, EngineConfig
 from specboost.decoder.profiler import ProfileConfig, profile
 from specboost.decoder.strategies import StrategyOptions
-from specboost.speculator import chain_router
+from specboost.speculator import chain_router, routed_scheduler
 from specboost.speculator.chain_router import NO_SSM, ChainPlan, ChainRouter, DecisionPacing, Stretches
 from specboost.speculator.cost_model import CostModel, affine_in_depth
 from specboost.speculator.oracle_router import OracleRouter
@@ -401,11 +401,14 @@ def test_seeded_rows_draft_what_the_target_rule_will_draw(temperature: float) ->
         assert stats.proposed_per_ssm[0] >= 12 and stats.accepted_per_ssm[0] == stats.proposed_per_ssm[0]
 
 
-def test_greedy_sampled_and_seeded_requests_learn_apart() -> None:
+def test_greedy_sampled_and_seeded_requests_learn_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """What one regime accepts says nothing of another's (greedy verification of argmax chains, MSS
     of sampled chains, the target rule of a seeded row's coupled chains): each routes with a router
     and gates of its own, on the same loop's costs (results r40: shared, the regime where drafting
-    lost turned speculation off for the requests of the others decoded between its own)."""
+    lost turned speculation off for the requests of the others decoded between its own). The
+    router learns from the steps it decides: at batch 1, where every speculating step holds
+    (ALGORITHMS.md 5.4, "Holding at batch 1"), with that bound lowered."""
+    monkeypatch.setattr(routed_scheduler, "ALWAYS_HELD_ROWS", 0)
     llm = tiny_llama(layers=2, seed=0)
     ssms = [noisy_copy(llm, 0.1, seed=1), noisy_copy(llm, 0.3, seed=2)]
     decoder = routed_decoder(llm, ssms, gate=True)

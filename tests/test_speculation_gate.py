@@ -22,7 +22,7 @@ from specboost.decoder import SpeculativeDecoder, StrategyOptions, routed_drafti
 from specboost.decoder.batched import BatchedDecoder
 from specboost.decoder.routed_drafting import RoutedDrafting
 from specboost.decoder.sequence import SequenceState
-from specboost.speculator import speculation_gate
+from specboost.speculator import routed_scheduler, speculation_gate
 from specboost.speculator.chain_router import (
     ACCEPTANCE_MOMENTUM,
     NO_SSM,
@@ -498,7 +498,8 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
     """While the gate is off (or the router's plain steps are spaced out) the LLM's passes skip the
     hidden states; the first step after the gate turns on has none and is a plain step, every later
     step the router decides reads the state of the text as it is (none is left over from an
-    earlier pass), in a batch as in one sequence. A held step (5.4, "Holding") decides nothing."""
+    earlier pass), in a batch as in one sequence. A held step (5.4, "Holding") decides nothing, and
+    its pass returns no state either: a step after it has none, and is a plain step."""
     llm, decoder = drafting_in_vain()
     steps = []  # per step: the gate's regime, which rows have a state, levels, whether the router decides
     propose = RoutedDrafting.propose
@@ -507,7 +508,8 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
         decides = not self.pacing.wait  # else a spaced-out plain step, which reads no state
         drafted = propose(self, rows, *args)
         decides = decides and not self._holding
-        steps.append((self._gate.on, [row.hidden is not None for row in rows], self.levels(0), decides))
+        known = [row.hidden is not None for row in rows]
+        steps.append((self._gate.on, known, self.levels(0), decides, self._holding))
         return drafted
 
     monkeypatch.setattr(RoutedDrafting, "propose", recorded)
@@ -517,12 +519,12 @@ def test_the_router_never_decides_on_stale_hidden_states(monkeypatch) -> None:
         for b in range(rows):
             alone = llm.generate(prompts[b : b + 1], max_new_tokens=200, do_sample=False)
             assert torch.equal(out.sequences[b], alone[0])
-        after_off = False  # the prompt's pass returns the states
-        for on, known, levels, decides in steps:
+        stale = False  # the prompt's pass returns the states; an off or a held step's does not
+        for on, known, levels, decides, held in steps:
             if on and decides:
-                assert known == [not after_off] * len(known)
-                assert levels == 0 or not after_off  # no state: a plain step
-            after_off = not on
+                assert known == [not stale] * len(known)
+                assert levels == 0 or not stale  # no state: a plain step
+            stale = not on or held
         assert any(on and not known[0] for on, known, *_ in steps)  # the gate did turn on again
         steps.clear()
         (gate,) = decoder.speculator.gates.values()
@@ -895,11 +897,31 @@ def test_a_held_plan_drafts_no_more_than_each_row_wants() -> None:
 def test_the_hold_gate_runs_the_faster_of_deciding_and_holding(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where held steps are measured faster than the router's (here the router's steps sleep 20 ms
     more), the hold gate keeps holding for most of the speculating steps; the output is still the
-    LLM's."""
+    LLM's. The gate of batch sizes above ALWAYS_HELD_ROWS, here at batch 1 with that bound lowered."""
+    monkeypatch.setattr(routed_scheduler, "ALWAYS_HELD_ROWS", 0)
     llm, decoder = drafting_exactly()
     slow_proposals(monkeypatch, lambda drafting: drafting._plan is not None and not drafting._holding, 0.02)
     monkeypatch.setattr(decoder.speculator, "gate", lambda *a: None)  # speculate on every step
     mostly_off(llm, decoder, "hold")
+
+
+def test_at_batch_one_every_speculating_step_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch 1 the hold is pinned (ALGORITHMS.md 5.4, "Holding at batch 1"): even where the
+    router's steps would be measured faster (here held steps sleep 20 ms more), every speculating
+    step drafts the held chain and the router decides none; the hold gate of larger batches still
+    chooses. Lossless."""
+    llm, decoder = drafting_exactly()
+    slow_proposals(monkeypatch, lambda drafting: drafting._holding, 0.02)
+    monkeypatch.setattr(decoder.speculator, "gate", lambda *a: None)  # speculate on every step
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=60)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=60, do_sample=False))
+    report = out.stats.strategy
+    held = sum(n for action, n in report["actions"].items() if action.startswith("held"))
+    assert report["hold"]["steps_on"] == 0 and report["hold"]["trials_on"] == 0
+    steps = sum(report["actions"].values())
+    assert report["hold"]["steps_off"] == steps and held == steps - 1  # the first: nothing to hold yet
+    assert decoder.speculator.hold(2, GREEDY).pinned is None
 
 
 def test_the_gate_on_keeps_the_pacing_of_plain_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
