@@ -212,8 +212,9 @@ class RoutedScheduler:
         ("on") and its preferred action held without deciding ("off": `preferred_action`), for
         groups of `rows` rows in `regime`; bucketed and started like `gate`, its first trial of
         holding measured (ALGORITHMS.md 5.4, "Holding"). At batch size ALWAYS_HELD_ROWS or below
-        it is pinned off: every speculating step holds, and the router decides only where the held
-        chain pays less than a plain step (`ChainRouter.held_depth`). None when not `gated`."""
+        it is pinned off: every speculating step holds, and the router decides only where nothing
+        is preferred yet or the held chain pays less than a plain step (`ChainRouter.held_depth`).
+        None when not `gated`."""
         if not self.gated:
             return None
         size = bucket(rows)
