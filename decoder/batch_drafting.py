@@ -149,7 +149,7 @@ class BatchedChainDrafting:
         lengths = [min(own if n is None else n, depth) for n, depth in zip(lengths, depths, strict=True)]
         self._levels = max(lengths, default=0)
         verified = [row.tokens for row in rows]
-        greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
+        greedy = all(row.rule is Rule.GREEDY for row in rows)  # argmax chains, processors or not
         if greedy and len(self.units) == 1 and self.units[0][0].members == 1:
             # One SSM's greedy chains stay on the device until the verifier reads them back.
             ((drafter, (index,)),) = self.units

@@ -121,7 +121,7 @@ class RoutedDrafting:
             self._span = (start, setup_count())
         self.router = self.scheduler.router_for(self.regime)
         gate = self._gate = self.scheduler.gate(len(rows), self.regime)
-        greedy = all(row.rule is Rule.GREEDY and not row.probs.processors for row in rows)
+        greedy = all(row.rule is Rule.GREEDY for row in rows)  # argmax chains, processors or not
         self._holding = self._speculated = False
         if gate is not None and self._joining:
             self._context(gate, rows, depths, greedy)

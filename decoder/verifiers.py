@@ -91,13 +91,23 @@ class TreeVerifier:
     ) -> tuple[list[Verdict], Hidden]:
         """Greedy chains on the device: accepted lengths, next tokens and the drafts themselves come
         back in ONE host read (ALGORITHMS.md section 2, greedy: the longest prefix of the chain
-        equal to the LLM's argmax continuation)."""
+        equal to the LLM's argmax continuation). A row with logits processors (`min_new_tokens`,
+        `repetition_penalty`, ...) takes the argmax of the scores `generate` would process at each
+        position, with that position's own history (the text, then the chain before it): its
+        chain was drafted as any greedy row's, from the SSM's raw argmaxes, which only decides how
+        much of it is accepted, never what is emitted."""
         if not chains.tokens.shape[1]:
             return self._verify_roots(cache, rows, keep_hidden, chains.roots)
         batch = chains.batch()
         lengths = torch.tensor(cache.lengths, device=cache.device)
         out = cache.feed(batch.tokens, lengths[:, None] + batch.depths, batch.ancestors, keep_hidden)
         choices = out.logits.float().argmax(-1)  # [B, N], as generate: argmax of float32 scores
+        for b, row in enumerate(rows):
+            if row.probs.processors:  # drafted as raw argmaxes; what the LLM chooses is processed
+                n = chains.lengths[b] + 1  # the root and the chain
+                ids = torch.cat([torch.tensor(row.tokens[:-1], device=cache.device), batch.tokens[b, :n]])
+                scores = row.probs.scores_along(out.logits[b : b + 1, :n], ids[None], len(row.tokens))
+                choices[b, :n] = scores[0].argmax(-1)
         matches = (batch.tokens[:, 1:] == choices[:, :-1]) & batch.valid[:, 1:]
         accepted = matches.long().cumprod(-1).sum(-1)  # [B]
         following = choices.gather(1, accepted[:, None])  # [B, 1]
@@ -116,13 +126,19 @@ class TreeVerifier:
     ) -> tuple[list[Verdict], Hidden]:
         """Greedy rows that drafted nothing (the routed scheduler declined): one plain decoding
         step, with no more host work than `generate`'s, so that declining costs what plain
-        decoding costs (ALGORITHMS.md 5.3)."""
+        decoding costs (ALGORITHMS.md 5.3); a row with logits processors takes the argmax of its
+        processed scores, as `generate` does."""
         device = cache.device
         tokens = torch.tensor(roots, device=device)[:, None]
         positions = torch.tensor(cache.lengths, device=device)[:, None]
         visible = torch.ones(len(roots), 1, 1, dtype=torch.bool, device=device)
         out = cache.feed(tokens, positions, visible, keep_hidden)
-        following = out.logits[:, 0].float().argmax(-1).tolist()  # as generate: float32 scores
+        logits = out.logits[:, 0]
+        following = logits.float().argmax(-1).tolist()  # as generate: float32 scores
+        for b, row in enumerate(rows):
+            if row.probs.processors:
+                history = torch.tensor([row.tokens], device=device)
+                following[b] = int(row.probs.scores(logits[b : b + 1], history).argmax(-1))
         for row, root in zip(rows, roots, strict=True):
             row.tree = TokenTree.root_only(root, DraftKind.GREEDY)
         cache.commit([[0]] * len(roots))

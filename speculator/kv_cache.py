@@ -195,7 +195,7 @@ class CompiledPass:
         with `draws` sampled ones and their q; None where the call makes none or its
         functions are full (the caller feeds the tokens one by one)."""
         warp = None if draws is None else draws[0][2:]
-        key = block_key(token.shape[0], steps, self.sizes_key(cache, 1)[1], warp)
+        key = self.chain_key(cache, token.shape[0], steps, warp)
         make = self.make_chain if draws is None else self.make_sampled
         function = self.store.functions.get(key)
         if function is None:
@@ -203,6 +203,13 @@ class CompiledPass:
                 return None
             function = self.store.functions[key] = make()
         return function(model, cache, token, positions, visible, counts, layout, dtype, steps, draws)
+
+    def chain_key(
+        self, cache: FullStaticCache, rows: int, steps: int, warp: tuple[int, bool] | None = None
+    ) -> tuple:
+        """The function key of `chain`'s block of `steps` tokens for `rows` rows of `cache`: its
+        capacity only where the call takes the capacity as a static size (`sizes_key`)."""
+        return block_key(rows, steps, self.sizes_key(cache, 1)[1], warp)
 
     def expect_draws(self, warp: tuple[int, bool]) -> None:
         """Sampled blocks of every expected size for `warp` (a `ChainWarp.key`) from now on. A new
@@ -747,7 +754,7 @@ class TreeCache:
         most = min(feeds, self.capacity - self.width)
         made = call.store.functions
         blocks = (
-            b for b in call.expected_chains if b <= most and block_key(1, b, self.capacity, warp) in made
+            b for b in call.expected_chains if b <= most and call.chain_key(self.cache, 1, b, warp) in made
         )
         return max(blocks, default=0)
 

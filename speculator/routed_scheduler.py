@@ -245,7 +245,7 @@ class RoutedScheduler:
         texts = [request.verified]
         behind = functools.partial(self.chains.behind, texts)
         probs = request.probs
-        trees = bool(probs.config.do_sample or probs.processors)  # else greedy chains on the device
+        trees = probs.config.do_sample  # else argmax chains on the device (the verifier processes)
         self._router = self.router_for(learning_regime(probs.config.do_sample, self._seeded))
         self._plan = self._router.plan(
             [request.hidden], [request.max_depth], self.pacing, texts, behind, trees

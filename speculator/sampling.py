@@ -173,9 +173,14 @@ class LogitsToProbs:
         """Teacher forcing: [B, n, V] logits that predict ids[:, start : start + n] -> [B, n, V]
         probabilities, step t processed with its history ids[:, : start + t] as `generate` saw it
         (one processor call per step only when the processors read the history)."""
+        return torch.softmax(self.scores_along(logits, ids, start), dim=-1)
+
+    def scores_along(self, logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """`along`'s processed float32 scores, before the softmax: what a greedy row's argmax reads
+        along a drafted chain (`GreedyVerifier`)."""
         if not self.needs_history:
-            return self(logits.flatten(0, 1)).view(logits.shape)
-        steps = [self(logits[:, t], ids[:, : start + t]) for t in range(logits.shape[1])]
+            return self.scores(logits.flatten(0, 1)).view(logits.shape)
+        steps = [self.scores(logits[:, t], ids[:, : start + t]) for t in range(logits.shape[1])]
         return torch.stack(steps, 1) if steps else torch.zeros(logits.shape, device=logits.device)
 
     def tree_scores(

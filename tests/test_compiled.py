@@ -66,7 +66,7 @@ def test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block(
 ) -> None:
     """A compiled chain of 4 tokens drafts the 3 after its first in one compiled argmax-chain block
     (speculator/chain_block.py), which the warm-up compiled: the generations compile nothing new
-    and equal `llm.generate`'s."""
+    and equal `llm.generate`'s, with a logits processor (`repetition_penalty`) too."""
     blocks: list[int | None] = []
     chain = CompiledPass.chain
 
@@ -79,8 +79,29 @@ def test_a_compiled_chain_drafts_after_its_first_token_in_one_compiled_block(
     dec = compiled_decoder(length=4)
     ssm = dec.ssms[0]
     assert dec.calls.get(ssm).expected_chains == {3}
-    generate_after_warmup(dec)
+    dec.warmup()
+    assert set(blocks) == {3}
+    blocks.clear()
+    generate_after_warmup(dec, warm=False)
+    # Decoding runs the warm-up's blocks: on the CPU, where the capacity is a dynamic size, their
+    # keys hold none, and a lookup by the cache's capacity had found none since 2026-12-05.
     assert blocks and set(blocks) == {3}
+    # Greedy rows with logits processors draft the same raw argmax chains in the same blocks; the
+    # verifier takes the argmax of the processed scores, each position with its own history.
+    blocks.clear()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    changed = False
+    for prompt in PROMPTS:
+        ids, mask = torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long)
+        expected = dec.llm.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+        penalised = dec.llm.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=24, repetition_penalty=1.5
+        )
+        changed = changed or not torch.equal(penalised, expected)
+        out = dec.generate(ids, max_new_tokens=24, repetition_penalty=1.5)
+        assert torch.equal(out.sequences, penalised)
+    assert changed and blocks and set(blocks) == {3}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     # Chains of other widths (the router's) feed the same block: once a drafter's cache warmed,
     # nothing compiles for them.
     drafter = BatchedChainDrafter(ssm, dec.calls.get(ssm))
@@ -455,10 +476,11 @@ def test_a_routed_batch_warmed_on_its_prompts_compiles_nothing_when_it_routes_ot
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def generate_after_warmup(dec: SpeculativeDecoder) -> list[dict]:
-    """`warmup`, then a generation per prompt: each equals `llm.generate`'s and none compiles a
-    new graph; returns the strategy's report of each."""
-    dec.warmup()
+def generate_after_warmup(dec: SpeculativeDecoder, warm: bool = True) -> list[dict]:
+    """`warmup` (unless `warm` is False: the caller warmed it), then a generation per prompt: each
+    equals `llm.generate`'s and none compiles a new graph; returns the strategy's report of each."""
+    if warm:
+        dec.warmup()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     reports = []
     for prompt in PROMPTS:

@@ -351,6 +351,37 @@ def routed_decoder(llm, ssms, predictor=None, cost=None, gate=False, **kwargs) -
     )
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_routed_greedy_decoding_with_logits_processors_equals_generate(
+    monkeypatch: pytest.MonkeyPatch, gate: bool
+) -> None:
+    """Greedy rows with logits processors (a repetition penalty, which reads each position's
+    history, and `min_new_tokens`, which holds the end-of-sequence token back) route and draft
+    the same argmax chains on the device as rows without; their plain steps (the gate off, or
+    the rule declining) and their chains are verified on the processed scores: the output is
+    `generate`'s with the same options, in one sequence and in a batch."""
+    llm = tiny_llama(layers=2, seed=0)
+    llm.generation_config.eos_token_id = 7
+    ssms = [tiny_llama(layers=1, seed=1), tiny_llama(layers=1, seed=2)]
+    decoder = routed_decoder(llm, ssms, gate=gate)
+
+    def on_the_host(*args: object) -> None:
+        raise AssertionError("greedy rows drafted host trees")
+
+    monkeypatch.setattr(routed_scheduler.RoutedChains, "draft_trees", on_the_host)
+    prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(8))
+    options = dict(max_new_tokens=30, repetition_penalty=1.5, min_new_tokens=20)
+    expected = [llm.generate(prompts[b : b + 1], do_sample=False, **options)[0] for b in range(2)]
+    plain = llm.generate(prompts[:1], do_sample=False, max_new_tokens=30)[0]
+    assert not torch.equal(expected[0], plain)  # the processors change the output
+    out = decoder.generate(prompts[:1], **options)
+    assert torch.equal(out.sequences[0], expected[0])
+    assert any(choice.startswith("SSM") for choice in out.stats.strategy["choices"])
+    batch = BatchedDecoder(decoder).generate(prompts, **options)
+    for b in range(2):
+        assert torch.equal(batch.sequences[b, : len(expected[b])], expected[b])
+
+
 @pytest.mark.parametrize("prompt_length", [1, 6])
 def test_routed_decoding_reproduces_greedy_decoding(prompt_length: int) -> None:
     """Chains of both SSMs and lengths, plain steps: the output is the LLM's greedy output."""
