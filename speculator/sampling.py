@@ -177,7 +177,7 @@ class LogitsToProbs:
 
     def scores_along(self, logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
         """`along`'s processed float32 scores, before the softmax: what a greedy row's argmax reads
-        along a drafted chain (`GreedyVerifier`)."""
+        along a drafted chain (`TreeVerifier._verify_chains`)."""
         if not self.needs_history:
             return self.scores(logits.flatten(0, 1)).view(logits.shape)
         steps = [self.scores(logits[:, t], ids[:, : start + t]) for t in range(logits.shape[1])]
