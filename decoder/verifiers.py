@@ -105,9 +105,7 @@ class TreeVerifier:
         for b, row in enumerate(rows):
             if row.probs.processors:  # drafted as raw argmaxes; what the LLM chooses is processed
                 n = chains.lengths[b] + 1  # the root and the chain
-                ids = torch.cat([torch.tensor(row.tokens[:-1], device=cache.device), batch.tokens[b, :n]])
-                scores = row.probs.scores_along(out.logits[b : b + 1, :n], ids[None], len(row.tokens))
-                choices[b, :n] = scores[0].argmax(-1)
+                choices[b, :n] = processed_argmax(row, out.logits[b, :n], batch.tokens[b, 1:n])
         matches = (batch.tokens[:, 1:] == choices[:, :-1]) & batch.valid[:, 1:]
         accepted = matches.long().cumprod(-1).sum(-1)  # [B]
         following = choices.gather(1, accepted[:, None])  # [B, 1]
@@ -137,13 +135,23 @@ class TreeVerifier:
         following = logits.float().argmax(-1).tolist()  # as generate: float32 scores
         for b, row in enumerate(rows):
             if row.probs.processors:
-                history = torch.tensor([row.tokens], device=device)
-                following[b] = int(row.probs.scores(logits[b : b + 1], history).argmax(-1))
+                following[b] = int(processed_argmax(row, logits[b : b + 1])[0])
         for row, root in zip(rows, roots, strict=True):
             row.tree = TokenTree.root_only(root, DraftKind.GREEDY)
         cache.commit([[0]] * len(roots))
         hidden = list(out.hidden[:, 0]) if keep_hidden else None
         return [Verdict([], token) for token in following], hidden
+
+
+def processed_argmax(
+    row: SequenceState, logits: torch.Tensor, drafted: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A greedy row with logits processors: [n] the argmax of the scores `generate` would process at
+    each of the n positions of `logits` [n, V] (the root's, then each drafted token's), position t
+    with the row's text and drafted[:t] as its history."""
+    text = torch.tensor(row.tokens, device=logits.device)
+    ids = text if drafted is None else torch.cat([text, drafted])
+    return row.probs.scores_along(logits[None], ids[None], len(row.tokens))[0].argmax(-1)
 
 
 class StairsVerifier:
