@@ -254,11 +254,12 @@ class RoutedDrafting:
         matched = [len(nodes) for nodes in accepted]
         if self._hold is not None:  # a hold's length is priced on it; ungated, nothing holds
             self.scheduler.preferred_action(self.regime).outcome(self._plan, matched)
-        if self._holding:  # a held step's estimates are nobody's: the router learns nothing
-            return
         start = time.perf_counter()
-        self.router.observe(self._plan, matched, verify_seconds, self._drafting, step)
-        self.pacing.observe(self._plan, matched)
+        if self._holding:  # a held step's estimates are nobody's: its seconds correct the costs only
+            self.router.observe_costs(self._plan, verify_seconds, self._drafting, step)
+        else:
+            self.router.observe(self._plan, matched, verify_seconds, self._drafting, step)
+            self.pacing.observe(self._plan, matched)
         seconds = time.perf_counter() - start
         for record in self.records:
             record.decision_seconds += seconds

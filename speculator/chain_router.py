@@ -420,7 +420,8 @@ class ChainRouter:
         """SSM `ssm`'s chain of grid depth `depth_index` for every row, decided on nothing: the
         speculation gate's held regime (ALGORITHMS.md 5.4, "Holding"). A row with fewer tokens
         wanted drafts fewer; with none left for any row, the plain plan. Its estimates are zeros:
-        nothing learns from its steps (`observe` must not see them)."""
+        nothing learns from its steps but the costs (`observe_costs`; `observe` must not see them)."""
+        self._setups = setup_count()  # a step's seconds are evidence if nothing is set up after this
         lengths = [min(self._depths[depth_index], int(m)) for m in max_depths]
         if not any(lengths):
             return self.plain(max_depths)
@@ -538,11 +539,28 @@ class ChainRouter:
                 ]
             )
         self.stretches.observe({plan.ssm[b] for b in drafting})
-        if self.costs is not None and measured:
-            self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
-            if step_seconds is not None:
-                remainder = step_seconds - verify_seconds - drafting_seconds
-                self.overhead.observe(remainder, sum(plan.profiled))
+        self.observe_costs(plan, verify_seconds, drafting_seconds, step_seconds)
+
+    def observe_costs(
+        self,
+        plan: ChainPlan,
+        verify_seconds: float,
+        drafting_seconds: float,
+        step_seconds: float | None = None,
+    ) -> None:
+        """Correct the drafting steps' costs (5.2) with one drafting step of `plan`, as `observe`
+        does, and nothing else: a step of the speculation gate's held regime (5.4, "Holding")
+        carries no estimate to correct, but its seconds are the costs of the path that runs. At
+        batch 1 nearly every speculating step is held; where only the router's own steps
+        corrected the costs, the held chain's length was priced on the profile alone. A plan that
+        drafts nothing corrects nothing here (a plain step's cost is `observe`'s)."""
+        if self.costs is None or setup_count() != self._setups or not any(plan.lengths):
+            return  # no drafting step, or one that compiled or warmed: no evidence
+        self._age()
+        self.costs.update((verify_seconds, drafting_seconds), plan.profiled)
+        if step_seconds is not None:
+            remainder = step_seconds - verify_seconds - drafting_seconds
+            self.overhead.observe(remainder, sum(plan.profiled))
 
     def _age(self) -> None:
         """Apply the ageing of the plain steps since the last one applied: the estimates' and the

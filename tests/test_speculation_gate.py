@@ -16,7 +16,7 @@ from conftest import VOCAB, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_routed_scheduler import routed_decoder
-from test_scheduler import constant_predictor
+from test_scheduler import SPECULATE, VERIFY, constant_predictor
 
 from specboost.decoder import SpeculativeDecoder, StrategyOptions, routed_drafting, strategies
 from specboost.decoder.batched import BatchedDecoder
@@ -31,6 +31,7 @@ from specboost.speculator.chain_router import (
     PreferredAction,
 )
 from specboost.speculator.routed_scheduler import GREEDY, SAMPLED, RoutedScheduler
+from specboost.speculator.scheduler import CostCorrection
 from specboost.speculator.speculation_gate import (
     CONTEXT_MARGIN,
     EXPLORE_SHARE,
@@ -735,7 +736,7 @@ def holding(decoder: SpeculativeDecoder, ssm: int, depth_index: int, regime: str
 def test_a_hold_drafts_the_preferred_action_without_deciding(monkeypatch, rows: int) -> None:
     """In the hold regime (ALGORITHMS.md 5.4, "Holding") every speculating step drafts the preferred
     SSM's chain, the first at the preferred length (no acceptance measured yet), none longer, and
-    the router decides nothing and learns nothing from it; the output is the LLM's greedy output,
+    the router decides nothing and learns no estimate from it; the output is the LLM's greedy output,
     in one sequence and in a batch (whose smaller buckets start holding too). The SSM is the LLM
     itself: a chain that matches nothing is not held (the next test)."""
     llm, decoder = drafting_exactly()
@@ -763,6 +764,46 @@ def test_a_hold_drafts_the_preferred_action_without_deciding(monkeypatch, rows: 
         actions = reports[0]["actions"]
         assert reports[0]["hold"]["steps_off"] == sum(n for a, n in actions.items() if a != "off")
         assert "plain" not in actions  # one row: no step with none of it left to draft
+
+
+def test_held_steps_correct_the_costs_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held steps carry no estimate (the router's `observe` never sees them), but their measured
+    seconds correct the costs (5.2) by which `held_depth` prices the held chain: drafting measured
+    far slower than the profile says raises the drafting factor g over held steps alone (at
+    batch 1 nearly every speculating step is held, and the held chain's length had been priced on
+    the profile alone: one measured before compiled chains drafted in blocks had made chains of 2
+    look better than chains of 4). Lossless."""
+    llm, decoder = drafting_exactly()
+    router = decoder.speculator.router
+    router.costs = CostCorrection(0.9, VERIFY[0], SPECULATE["1,1"])
+    router.plain_costs = CostCorrection(0.9, VERIFY[0], SPECULATE["1,1"])
+    holding(decoder, 0, 1)
+    learnt = "a held step's estimates were learnt"
+    monkeypatch.setattr(ChainRouter, "observe", lambda *a, **k: pytest.fail(learnt))
+    draft = routed_scheduler.RoutedChains.draft
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(0.01)  # 25-100x the made-up profile's drafting
+        return draft(*args, **kwargs)
+
+    monkeypatch.setattr(routed_scheduler.RoutedChains, "draft", slow)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = decoder.generate(prompt, max_new_tokens=40)
+    assert torch.equal(out.sequences, llm.generate(prompt, max_new_tokens=40, do_sample=False))
+    held = [c for c in out.stats.strategy["choices"] if c.startswith("held")]
+    assert len(held) >= 4, out.stats.strategy["choices"]
+    assert router.cost_factors[1] > 2.0, router.cost_factors
+
+
+def test_a_held_step_that_drafts_nothing_corrects_no_cost() -> None:
+    """A held plan whose rows want no more tokens is the plain plan: its step is no drafting
+    step, and `observe_costs` leaves the drafting steps' corrections as they were."""
+    router = drafting_in_vain()[1].speculator.router
+    router.costs = CostCorrection(0.9, VERIFY[0], SPECULATE["1,1"])
+    plan = router.held(0, 1, [0.0], False)
+    assert not any(plan.lengths)
+    router.observe_costs(plan, 1.0, 0.0, 2.0)
+    assert router.costs.measured == [0.0, 0.0] and router.overhead.seconds == 0.0
 
 
 def test_the_preferred_action_is_what_the_router_drafted_most_lately() -> None:
