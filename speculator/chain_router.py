@@ -436,7 +436,8 @@ class ChainRouter:
         """The grid depth (an index) at which SSM `ssm`'s chain, held for `rows` rows, brings the
         most tokens per second, each drafted token accepted with probability `rate` once the ones
         before it were: a chain of d tokens then brings 1 + rate (1 - rate^d) / (1 - rate) (d + 1
-        at rate 1) per row, for the profile's seconds of the step, as the rule prices it (5.3);
+        at rate 1) per row, for the step's seconds as the rule prices them (5.3: the profile's,
+        corrected by the measured steps, held ones included: 5.2);
         None where a plain step brings more (the rule's price of it, as `_choose_one`'s).
         The hold's length (5.4, "Holding"): the router's preferred length is priced on its
         predictor's estimates, which held steps do not correct (on quick-r40 a qa call whose trial
