@@ -20,7 +20,7 @@ from collections import Counter
 from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
-from specboost.speculator.chain_router import ChainPlan, DecisionPacing, PreferredAction
+from specboost.speculator.chain_router import ChainPlan, DecisionPacing, PreferredAction, held_run
 from specboost.speculator.kv_cache import setup_count
 from specboost.speculator.routed_scheduler import (
     GREEDY,
@@ -29,6 +29,7 @@ from specboost.speculator.routed_scheduler import (
     RoutedScheduler,
     learning_regime,
 )
+from specboost.speculator.shadow_check import walk
 from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
@@ -125,6 +126,8 @@ class RoutedDrafting:
         self._holding = self._speculated = False
         if gate is not None and self._joining:
             self._context(gate, rows, depths, greedy)
+        if gate is not None and gate.shadow_due:
+            self._shadow(gate, rows, greedy)
         if gate is not None and not gate.on:  # nothing decided, drafted or timed: a plain step
             self._plan = None
             self.pacing.restart()  # the router decides at once when the gate turns it on
@@ -164,6 +167,32 @@ class RoutedDrafting:
             opening = self.router.opening(hidden, [depths[b] for b in new], texts, not greedy)
             gate.call_started(opening.advantage)
             self.scheduler.preferred_action(self.regime).seed(opening)
+
+    def _shadow(self, gate: SpeculationGate, rows: list[SequenceState], greedy: bool) -> None:
+        """The shadow check the gate, off, asked for (ALGORITHMS.md 5.4, "Shadow checks"): the SSM
+        the hold drafts caught up on the rows' texts, its greedy chains of the held length walked
+        along what the LLM decoded (not the prompts), and their measured acceptance rate against
+        the one its drafted chains last measured (`PreferredAction.rate`) gives the factor by which
+        the router's measured rate would change now. Sampled rows (their chains are not the
+        argmax's), nothing held yet or nothing decoded: nothing checked (`SpeculationGate.shadowed`
+        with None). A check that passes starts a trial and counts its walk as drafted steps, so
+        that the hold's first length is priced on this text."""
+        start = time.perf_counter()
+        preferred = self.scheduler.preferred_action(self.regime)
+        factor, walked = None, None
+        if greedy and preferred.action is not None:
+            ssm, depth_index = preferred.action
+            then = preferred.rate(ssm)
+            texts, starts = [row.tokens for row in rows], [row.prompt_length for row in rows]
+            agreements = self.chains.drafters[ssm].agreement(texts, starts)
+            length = int(self.router.depths[depth_index])
+            walked = None if agreements is None else walk(agreements, length)
+            now = None if walked is None else walked.rate
+            if then is not None and now is not None:
+                factor = (1 + held_run(now, length)) / (1 + held_run(then, length))
+        gate.shadowed(factor, time.perf_counter() - start)
+        if gate.on and factor is not None:
+            preferred.walked(ssm, walked.accepted, walked.stops, walked.steps / len(rows))
 
     def _held(
         self, rows: list[SequenceState], depths: list[int], preferred: PreferredAction, greedy: bool

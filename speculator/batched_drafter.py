@@ -225,21 +225,42 @@ class BatchedChainDrafter:
             return None
         return ChainWarp.of(probs[0])
 
-    def _catch_up(self, row: int, verified: list[int]) -> list[int]:
-        """Drop the cached tokens that are not a prefix of `verified`; return what must be fed
-        (at least the last token, whose logits start the chain)."""
+    @torch.no_grad()
+    def agreement(self, verified: list[list[int]], starts: list[int]) -> list[list[bool]] | None:
+        """Catch every row up on `verified` (the pass a draft starts with) and return, per row,
+        whether the SSM's argmax after each token from position `starts[b]` on is the token that
+        follows it there: what its greedy chains would have matched along that text, teacher-forced
+        (ALGORITHMS.md 5.4, "Shadow checks"). None where the rows do not fit the SSM's context or
+        the cache in one pass; then nothing is fed."""
+        self._read_back()
+        if self.max_positions is not None and max(map(len, verified)) > self.max_positions:
+            return None
+        # What a draft would drop, dropped; the last token kept re-fed: its argmax was not judged.
+        feeds = [self._catch_up(b, v, back=1) for b, v in enumerate(verified)]
+        if self.cache.in_parts(max(map(len, feeds))):
+            return None
+        predicted = self._feed(feeds, every=True).float().argmax(-1).tolist()  # [B, N]
+        agrees = []
+        for v, fed, start, argmax in zip(verified, feeds, starts, predicted, strict=True):
+            first = len(v) - len(fed)  # argmax[j]: the token after v[first + j]
+            agrees.append([argmax[j] == v[first + j + 1] for j in range(max(0, start - first), len(fed) - 1)])
+        return agrees
+
+    def _catch_up(self, row: int, verified: list[int], back: int = 0) -> list[int]:
+        """Drop the cached tokens that are not a prefix of `verified`, and `back` more; return what
+        must be fed (at least the last token, whose logits start the chain)."""
         seen, common = self.seen[row], 0
-        limit = min(len(seen), len(verified) - 1)
+        limit = min(len(seen) - back, len(verified) - 1)
         while common < limit and seen[common] == verified[common]:
             common += 1
         self.cache.truncate(row, common)
         self.seen[row] = seen[:common]
         return verified[common:]
 
-    def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
+    def _feed(self, feeds: list[list[int]], every: bool = False) -> torch.Tensor:
         """Feed chain `feeds[b]` to row b in one pass and keep it all; [B, V] logits after each
-        row's last fed token (garbage for rows fed nothing)."""
-        logits = self.cache.feed_chains(feeds).logits
+        row's last fed token (garbage for rows fed nothing), [B, N, V] after each with `every`."""
+        logits = self.cache.feed_chains(feeds, every=every).logits
         for seen, fed in zip(self.seen, feeds, strict=True):
             seen.extend(fed)
         return logits

@@ -53,6 +53,12 @@ STRETCH_MOMENTUM = 0.9  # per finished drafting stretch, of the mean stretch len
 OVERHEAD_MOMENTUM = 0.9  # per measured drafting step, of the step overhead's older evidence
 
 
+def held_run(rate: float, length: int) -> float:
+    """The expected accepted tokens of a chain of `length`, each drafted token accepted with
+    probability `rate` once the ones before it were (5.4, "Holding")."""
+    return length if rate >= 1 else rate * (1 - rate**length) / (1 - rate)
+
+
 @dataclass
 class ChainPlan:
     """One step's routing of a batch: per row the SSM that drafts (NO_SSM: none) and the length."""
@@ -453,8 +459,7 @@ class ChainRouter:
         overhead = self.overhead.seconds
         scores = []
         for d, length in enumerate(self._depths):
-            run = length if rate >= 1 else rate * (1 - rate**length) / (1 - rate)
-            scores.append((1 + run) / (verify[1 + d] * v + g * drafting[d] + overhead))
+            scores.append((1 + held_run(rate, length)) / (verify[1 + d] * v + g * drafting[d] + overhead))
         best = max(range(len(scores)), key=scores.__getitem__)
         return best if scores[best] > 1 / (verify[0] * v_plain) else None
 
@@ -745,14 +750,23 @@ class PreferredAction:
         their chains: each drafting row's chain is a run of accepted tokens, cut by a mismatch
         where it accepted fewer than it drafted. Older steps decay by ACCEPTANCE_MOMENTUM."""
         rows = [(i, n, a) for i, n, a in zip(plan.ssm, plan.lengths, accepted, strict=True) if n]
-        if not rows:
-            return
+        if rows:
+            self._add(1, [(i, matched, matched < drafted) for i, drafted, matched in rows])
+
+    def walked(self, ssm: int, accepted: int, stops: int, steps: float) -> None:
+        """SSM `ssm`'s chains walked in hindsight along text decoded plainly, `steps` drafting
+        steps' worth (a shadow check that passed: 5.4, "Shadow checks"), counted as drafted, so
+        that the hold's first length after it is priced on the text at hand."""
+        self._add(steps, [(ssm, accepted, stops)])
+
+    def _add(self, steps: float, runs: Sequence[tuple[int, float, float]]) -> None:
+        """`steps` drafting steps whose chains accepted and were cut as `runs` says, per SSM."""
         for sums in (self.accepted, self.stops):
             for i in sums:
-                sums[i] *= ACCEPTANCE_MOMENTUM
-        for i, drafted, matched in rows:
+                sums[i] *= ACCEPTANCE_MOMENTUM**steps
+        for i, matched, stopped in runs:
             self.accepted[i] = self.accepted.get(i, 0.0) + matched
-            self.stops[i] = self.stops.get(i, 0.0) + (matched < drafted)
+            self.stops[i] = self.stops.get(i, 0.0) + stopped
 
     def rate(self, ssm: int) -> float | None:
         """The probability that SSM `ssm`'s next drafted token is accepted, given the ones before

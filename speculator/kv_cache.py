@@ -627,15 +627,19 @@ class TreeCache:
         eager: bool = False,
         commit: bool = True,
         output_hidden: bool = False,
+        every: bool = False,
     ) -> FedOutput:
         """Append chain `chains[b]` to row b's text (a prompt, tokens verified since the row's last
         pass) in ONE pass and commit it (or leave it pending); the logits [B, V] (and last hidden
-        states [B, H]) after each row's last token (garbage for a row fed nothing). No pending
-        nodes may be in flight. A compiled cache feeds chains longer than its room after the widest
-        row in parts (`_feed_in_parts`) rather than grow."""
+        states [B, H]) after each row's last token (garbage for a row fed nothing), or with `every`
+        after each of its tokens, [B, N, ...] (padding past a row's chain). No pending nodes may be
+        in flight. A compiled cache feeds chains longer than its room after the widest row in parts
+        (`_feed_in_parts`) rather than grow; not with `every` (`in_parts` says where it would)."""
         assert self.pending == 0, "commit the pending nodes first"
         n = max(1, max(map(len, chains), default=0))
-        if commit and self.compiled is not None and 0 < self.capacity - self.width < n:
+        if commit and self.in_parts(n):
+            if every:
+                raise ValueError(f"chains of {n} tokens do not fit this cache in one pass")
             return self._feed_in_parts(chains, output_hidden)
         tokens = torch.tensor([[*chain, *[0] * (n - len(chain))] for chain in chains], device=self.device)
         sizes = torch.tensor([len(c) for c in chains], device=self.device)
@@ -646,14 +650,21 @@ class TreeCache:
         visible = torch.where(valid[:, :, None], causal & valid[:, None, :], eye)  # padding: itself only
         positions = torch.tensor(self.lengths, device=self.device)[:, None] + step
         last = [max(1, len(chain)) - 1 for chain in chains]
-        kept = sorted(set(last))
+        kept = list(range(n)) if every else sorted(set(last))
         eager = eager or n > COMPILED_MAX_CHAIN
         out = self.feed(tokens, positions, visible, output_hidden, eager, logits_at=kept)
         if commit:
             self.commit([range(len(chain)) for chain in chains])
+        if every:
+            return out
         rows = torch.arange(self.rows, device=self.device)
         columns = torch.tensor([kept.index(i) for i in last], device=self.device)
         return FedOutput(out.logits[rows, columns], None if out.hidden is None else out.hidden[rows, columns])
+
+    def in_parts(self, n: int) -> bool:
+        """Whether `feed_chains` feeds chains of up to `n` tokens in parts: a compiled cache
+        without their room after its widest row."""
+        return self.compiled is not None and 0 < self.capacity - self.width < n
 
     def _feed_in_parts(self, chains: Sequence[Sequence[int]], output_hidden: bool) -> FedOutput:
         """`feed_chains` of chains that do not fit after the widest row, in parts that do, each

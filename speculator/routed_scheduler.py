@@ -205,7 +205,7 @@ class RoutedScheduler:
         if made is not None:
             return made
         price = functools.partial(self.router_for(regime).plain_step_seconds, size)
-        return _bucket_gate(self.gates, size, regime, price)
+        return _bucket_gate(self.gates, size, regime, price, shadows=regime == GREEDY)
 
     def hold(self, rows: int, regime: str = GREEDY) -> SpeculationGate | None:
         """The gate that, while `gate` speculates, chooses between the router deciding every step
@@ -280,9 +280,11 @@ def _bucket_gate(
     regime: str,
     price: Callable[[], float] | None,
     pinned: bool | None = None,
+    shadows: bool = False,
 ) -> SpeculationGate:
     """The gate of bucket `size` and `regime` in `gates`, made where missing in the regime's nearest
-    bucket's state (`RoutedScheduler.gate`), `pinned` to a regime where given."""
+    bucket's state (`RoutedScheduler.gate`), `pinned` to a regime where given, checking the
+    router in shadow while off where `shadows` (greedy rows: `SpeculationGate.shadowed`)."""
     key = (size, regime)
     if key not in gates:
         nearest = min(
@@ -291,7 +293,7 @@ def _bucket_gate(
             default=None,
         )
         like = None if nearest is None else gates[nearest, regime]
-        gates[key] = SpeculationGate(size, like, price, pinned)
+        gates[key] = SpeculationGate(size, like, price, pinned, shadows)
     return gates[key]
 
 

@@ -56,6 +56,13 @@ prices exploring where nothing changes; a workload does change (texts the SSMs s
 texts they serve well): each call tells the gate the router's predicted advantage on its prompt
 (`call_started`), and, off, a call CONTEXT_MARGIN times more promising than the one where the
 router last lost is a trial at once.
+Off, a greedy gate also checks the router in shadow (`shadowed`, speculator/shadow_check.py), on
+a clock of its own (CHECK_SHARE of plain decoding's time, shrinking while checks fail in a row):
+the SSM a hold drafts is caught up on the text decoded meanwhile, and its greedy chains walked
+along it say how many tokens a held chain would bring now against where the router was measured;
+a check that reads the router CHECK_MARGIN times faster than plain decoding starts a trial at once.
+A trial measures the text at hand but costs a window and a half when it loses; the opening's
+context did not tell the quick suite's categories apart; the walk reads the text itself.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
 (greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
@@ -72,6 +79,8 @@ SETTLE_SHARE = 4  # after a switch, window / SETTLE_SHARE tokens per row settle 
 MOMENTUM = 0.75  # per window of a regime, of its older windows' evidence
 IDLE_DECAY = 0.9  # per window of the other regime, of an idle regime's evidence
 EXPLORE_SHARE = 0.02  # what the windows run in the losing regime may cost, as a share of the winner's time
+CHECK_SHARE = 0.02  # what shadow checks may cost, as a share of plain decoding's time while off
+CHECK_MARGIN = 1.1  # a check passes where it reads the router this many times plain decoding's rate
 MAX_STREAK = 8  # after the n-th trial lost in a row exploring may cost EXPLORE_SHARE / min(n, MAX_STREAK)
 MIN_WAIT = 2  # windows of the better regime before the other is tried again, however cheap its trials
 MAX_WAIT = 512  # windows of the better regime after which the other is tried whatever its last trial cost
@@ -114,6 +123,7 @@ class SpeculationGate:
         like: SpeculationGate | None = None,
         price_off: Callable[[], float] | None = None,
         pinned: bool | None = None,
+        shadows: bool = False,
     ) -> None:
         self.window = max(MIN_WINDOW_TOKENS, WINDOW_TOKENS // rows)  # a batch's steps take longer
         self.settle = self.window // SETTLE_SHARE  # tokens per row after a switch, not measured
@@ -141,6 +151,15 @@ class SpeculationGate:
         self.lost_context = None if like is None else like.lost_context
         self.context_trials = 0
         self._on_context = self.context  # the highest context met since the router last ran
+        # Off, checks of the router along the text decoded meanwhile (`shadowed`), on a clock of
+        # their own: the check asked for, the seconds of plain decoding before the next, the checks
+        # run and passed.
+        self.shadows = shadows
+        self.shadow_due = False
+        self.check_owed = 0.0 if like is None else like.check_owed
+        self.checks = 0
+        self.checks_passed = 0
+        self.checks_failed = 0  # in a row
 
     def step(self, tokens: float, seconds: float) -> None:
         """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
@@ -163,7 +182,7 @@ class SpeculationGate:
             return
         for regime, throughput in self.measured.items():
             throughput.decay(MOMENTUM if regime == self.on else IDLE_DECAY)
-        self.measured[self.on].add(window[0], window[1])
+        self.measured[self.on].add(*window)
         self._window = [0.0, 0.0]
         self.windows += 1
         switch, self._switch = self._switch, [0.0, 0.0]
@@ -191,12 +210,29 @@ class SpeculationGate:
         promising = self.lost_context is not None and advantage >= CONTEXT_MARGIN * self.lost_context
         if self.trial or not promising:
             return
-        self.measured[False].add(*self._window)  # off's window so far is off's evidence
-        self._window, self._switch = [0.0, 0.0], [0.0, 0.0]
-        self._try(True)
-        self._settling = self.settle
-        self._on_context = advantage
+        self._try_now()
         self.context_trials += 1
+
+    def shadowed(self, factor: float | None, seconds: float) -> None:
+        """The shadow check `shadow_due` asked for ran in `seconds`: along the text decoded since the
+        router last ran, the SSM a held chain drafts would now bring `factor` x the tokens per step
+        it brought where the router's rate was measured (None: nothing to check on). Where `factor`
+        x that rate beats plain decoding's, a trial of the router starts now, judged and owed for
+        like any other; otherwise the next check waits for `seconds` / CHECK_SHARE of plain
+        decoding (ALGORITHMS.md 5.4, "Shadow checks")."""
+        self.shadow_due = False
+        if factor is None:
+            self.check_owed = seconds / CHECK_SHARE
+            return
+        self.checks += 1
+        rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
+        if factor * rates[True] >= CHECK_MARGIN * rates[False]:
+            self.checks_passed += 1
+            self.checks_failed = 0
+            self._try_now()
+            return
+        self.checks_failed += 1
+        self.check_owed = seconds * min(self.checks_failed, MAX_STREAK) / CHECK_SHARE
 
     def _lost_already(self) -> bool:
         """Whether the trial running has taken longer in its window than LOST_AFTER times what the
@@ -250,11 +286,25 @@ class SpeculationGate:
         if (self.owed == 0.0 and waited) or self.since >= MAX_WAIT:
             self._try(other)
             self.owed = 0.0
+        elif not self.on and self.shadows and rates[True] is not None:
+            self.check_owed = max(0.0, self.check_owed - seconds)
+            self.shadow_due = self.check_owed == 0.0
 
     def _try(self, regime: bool) -> None:
         """A trial of `regime` starts."""
         self.on, self.trial, self.since = regime, True, 0
         self.trials[regime] += 1
+
+    def _try_now(self) -> None:
+        """A trial of the router starts between windows' ends (a call's context, a shadow check
+        that passed): off's window so far is off's evidence, and the switch settles first."""
+        self.measured[False].add(*self._window)
+        self._window, self._switch = [0.0, 0.0], [0.0, 0.0]
+        self.shadow_due = False
+        self.on, self.trial, self.since = True, True, 0
+        self.trials[True] += 1
+        self._settling = self.settle
+        self._on_context = self.context
 
     def _lost_at(self, best: bool) -> None:
         """Plain decoding measured better than the router (`best` False): remember the highest
@@ -272,9 +322,10 @@ class SpeculationGate:
     def report(self) -> dict:
         """Steps in each regime, each regime's measured rate (tokens per row per second: at batch 1
         tokens per second), the trials of each regime and those it won, the seconds the trials that
-        lost cost, the trials a call's context started, the newest call's context and the one where
-        the router last lost, the regime now, and the seconds of it still owed before the next trial
-        and the trials lost in a row that set them (what keeps a regime that lost off: 5.4)."""
+        lost cost, the trials a call's context started, the shadow checks run and passed, the
+        newest call's context and the one where the router last lost, the regime now, and the
+        seconds of it still owed before the next trial and the trials lost in a row that set them
+        (what keeps a regime that lost off: 5.4)."""
         rates = {regime: throughput.rate for regime, throughput in self.measured.items()}
         return {
             "steps_on": self.steps[True],
@@ -287,6 +338,8 @@ class SpeculationGate:
             "trials_off_won": self.won[False],
             "seconds_lost": self.lost,
             "context_trials": self.context_trials,
+            "shadow_checks": self.checks,
+            "shadow_checks_passed": self.checks_passed,
             "context": self.context,
             "lost_context": self.lost_context,
             "on": self.on,

@@ -58,6 +58,8 @@ def run_counted(gate: SpeculationGate, windows: int, rate: dict[bool, float]) ->
     trial that ended once it had lost: fewer)."""
     regimes, counts = [], []
     for _ in range(windows):
+        if gate.shadow_due:  # a greedy gate's check, with nothing to check on: trials as before
+            gate.shadowed(None, 0.0)
         regimes.append(gate.on)
         closed, count = gate.windows, 0
         while gate.windows == closed:
@@ -198,6 +200,7 @@ def simulate(
     fixed: bool = True,
     cold: tuple[float, float] = (1.0, 1.0),
     context: float | None = None,
+    shadow: float | None = None,
 ) -> float:
     """Tokens per second of a noisy workload decoded by `gate` (or by one regime, `fixed`, where
     the gate is None): 48 calls of 48 tokens; plain steps of 4 ms emit 1 token, the router's emit
@@ -208,10 +211,14 @@ def simulate(
     `cold[0]` x their time, plain decoding's first 3 after the router's `cold[1]` x (weights out
     of the CPU's caches); a stall of 30-120 ms on 0.3% of steps. With `context`, each call starts
     with the gate told the call's ratio x content x a log-normal error of sigma `context` (the
-    router's predicted advantage on the prompt, `SpeculationGate.call_started`)."""
-    rng = random.Random(seed)
+    router's predicted advantage on the prompt, `SpeculationGate.call_started`). A gate that asks
+    for a shadow check (`SpeculationGate.shadow_due`) gets, with `shadow`, the call's ratio x
+    content over the one where the router last ran, times a log-normal error of sigma `shadow`,
+    for the catch-up's time (its SSM is then caught up), charged to the next step; without, nothing
+    is checked."""
+    rng, checks = random.Random(seed), random.Random(10**6 + seed)  # checks draw apart: runs stay paired
     ratios = ratio if isinstance(ratio, list) else [ratio]
-    speed, behind, tokens, seconds, last, since = 0.0, 0, 0, 0.0, None, 0
+    speed, behind, tokens, seconds, last, since, then = 0.0, 0, 0, 0.0, None, 0, 1.0
     for call in range(48):
         content, left = math.exp(rng.gauss(0, 0.2)), 48
         ratio = ratios[call * len(ratios) // 48]
@@ -219,6 +226,14 @@ def simulate(
             gate.call_started(ratio * content * math.exp(rng.gauss(0, context)))
         while left:
             speed = 0.97 * speed + rng.gauss(0, 0.15 * math.sqrt(1 - 0.97**2))
+            checked = 0.0
+            if gate is not None and gate.shadow_due:
+                factor = (
+                    None if shadow is None else ratio * content * math.exp(checks.gauss(0, shadow)) / then
+                )
+                checked = 0.002 + 5e-5 * behind if shadow is not None else 0.0
+                gate.shadowed(factor, checked)
+                behind = 0 if shadow is not None else behind
             on = fixed if gate is None else gate.on
             since, last = since + 1 if on == last or last is None else 0, on
             if on:
@@ -226,11 +241,11 @@ def simulate(
                 catch_up = 0.002 + 5e-5 * behind if behind else 0.0
                 took = 0.016 / ratio * math.exp(speed + rng.gauss(0, 0.1)) * (cold[0] if since < 2 else 1)
                 took += catch_up
-                behind = 0
+                behind, then = 0, ratio * content
             else:
                 took = 0.004 * math.exp(speed + rng.gauss(0, 0.05)) * (cold[1] if since < 3 else 1)
                 emitted, behind = 1, behind + 1
-            took += rng.uniform(0.03, 0.12) if rng.random() < 0.003 else 0.0
+            took += checked + (rng.uniform(0.03, 0.12) if rng.random() < 0.003 else 0.0)
             emitted = min(emitted, left)
             left -= emitted
             if gate is not None:

@@ -648,6 +648,8 @@ def test_the_gate_line_reads_the_report_after_the_last_call(tmp_path: Path) -> N
     )
     text = markdown_table(tables(runs)[0])
     assert text.count("speculation gate") == 1 and f"\n{gate_line(row)}\n" in text
+    row.gate |= {"shadow_checks": 5, "shadow_checks_passed": 2}  # a greedy gate's, since 2026-12-07
+    assert "of plain decoding 2 (2 won); shadow checks 5 (2 passed); the lost ones" in gate_line(row)
     for record in learned:  # reports from before the trial counts (an older checkpoint): no line
         record.stats["strategy"]["gate"] = {"steps_on": 70, "steps_off": 50, "seconds_lost": 0.0}
     assert tables(runs)[0].row("learned").gate is None

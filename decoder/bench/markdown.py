@@ -264,18 +264,22 @@ def actions_line(row: MethodRow) -> str:
 
 def gate_line(row: MethodRow) -> str:
     """What a scheduler's speculation gate did over the table (ALGORITHMS.md 5.4): its steps on,
-    its trials of each regime and those won, what the lost ones cost, and, after the last call, its
-    regime and the seconds of it owed before the next trial (what keeps a regime that lost off)."""
+    its trials of each regime and those won, what the lost ones cost, its shadow checks and those
+    passed (where the report has them: a greedy gate's, since 2026-12-07), and, after the last
+    call, its regime and the seconds of it owed before the next trial (what keeps a regime that
+    lost off)."""
     gate = row.gate
     steps = gate["steps_on"] + gate["steps_off"]
     on = gate["steps_on"] / steps if steps else 0.0
     regime = "speculating" if gate["on"] else "off"
+    checks = gate.get("shadow_checks")
+    checked = f"; shadow checks {checks} ({gate['shadow_checks_passed']} passed)" if checks else ""
     return (
         f"`{row.method}`'s speculation gate (warm-up calls included): on for {on:.0%} of {steps} steps; "
         f"trials of speculation {gate['trials_on']} ({gate['trials_on_won']} won, "
         f"{gate['context_trials']} started by a call's context), of plain decoding {gate['trials_off']} "
-        f"({gate['trials_off_won']} won); the lost ones cost {gate['seconds_lost']:.3f} s. After the last "
-        f"call: {regime}, {gate['seconds_owed']:.3f} s owed before the next trial "
+        f"({gate['trials_off_won']} won){checked}; the lost ones cost {gate['seconds_lost']:.3f} s. "
+        f"After the last call: {regime}, {gate['seconds_owed']:.3f} s owed before the next trial "
         f"({gate['lost_in_a_row']} lost in a row)."
     )
 
