@@ -21,6 +21,7 @@ from specboost.decoder.compilation import ModelCalls
 from specboost.decoder.sequence import SequenceState
 from specboost.decoder.verify import Rule
 from specboost.speculator.chain_router import ChainPlan, DecisionPacing, PreferredAction, held_run
+from specboost.speculator.hindsight_walk import walk
 from specboost.speculator.kv_cache import setup_count
 from specboost.speculator.routed_scheduler import (
     GREEDY,
@@ -29,7 +30,6 @@ from specboost.speculator.routed_scheduler import (
     RoutedScheduler,
     learning_regime,
 )
-from specboost.speculator.shadow_check import walk
 from specboost.speculator.speculation_gate import SpeculationGate
 from specboost.speculator.tree import ChainDraft, DraftKind, TokenTree
 
@@ -170,7 +170,7 @@ class RoutedDrafting:
 
     def _shadow(self, gate: SpeculationGate, rows: list[SequenceState], greedy: bool) -> None:
         """The shadow check the gate, off, asked for (ALGORITHMS.md 5.4, "Shadow checks"): the SSM
-        the hold drafts caught up on the rows' texts, its greedy chains of the held length walked
+        the hold drafts caught up on the rows' texts, its greedy chains of the preferred length walked
         along what the LLM decoded (not the prompts), and their measured acceptance rate against
         the one its drafted chains last measured (`PreferredAction.rate`) gives the factor by which
         the router's measured rate would change now. Sampled rows (their chains are not the

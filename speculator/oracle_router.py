@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specboost.speculator.chain_router import ChainRouter
+from specboost.speculator.hindsight_walk import run_lengths
 from specboost.speculator.kv_cache import note_setup
 from specboost.speculator.model_info import context_length
 from specboost.speculator.predictor import PassHead
@@ -97,6 +98,5 @@ def agreement_runs(ssms: list[PreTrainedModel], reference: torch.Tensor) -> np.n
     for i, ssm in enumerate(ssms):
         argmax = ssm(reference[None]).logits[0].float().argmax(-1)  # [L]: predicts token p + 1
         agrees = (argmax[:-1] == reference[1:]).cpu().numpy()  # [L - 1]: position p -> p + 1
-        for p in range(len(agrees) - 1, -1, -1):  # runs[p]: agreements from the chain at p on
-            runs[i, p] = runs[i, p + 1] + 1 if agrees[p] else 0
+        runs[i, : len(agrees)] = run_lengths(agrees)
     return runs

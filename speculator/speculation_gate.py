@@ -56,7 +56,7 @@ prices exploring where nothing changes; a workload does change (texts the SSMs s
 texts they serve well): each call tells the gate the router's predicted advantage on its prompt
 (`call_started`), and, off, a call CONTEXT_MARGIN times more promising than the one where the
 router last lost is a trial at once.
-Off, a greedy gate also checks the router in shadow (`shadowed`, speculator/shadow_check.py), on
+Off, a greedy gate also checks the router in shadow (`shadowed`, speculator/hindsight_walk.py), on
 a clock of its own (CHECK_SHARE of plain decoding's time, shrinking while checks fail in a row):
 the SSM a hold drafts is caught up on the text decoded meanwhile, and its greedy chains walked
 along it say how many tokens a held chain would bring now against where the router was measured;

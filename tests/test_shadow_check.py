@@ -15,8 +15,8 @@ from test_speculation_gate import drafting_exactly, drafting_in_vain, run, simul
 
 from specboost.speculator.batched_drafter import BatchedChainDrafter
 from specboost.speculator.chain_router import PreferredAction, held_run
+from specboost.speculator.hindsight_walk import Walk, run_lengths, walk
 from specboost.speculator.routed_scheduler import GREEDY, SAMPLED
-from specboost.speculator.shadow_check import Walk, walk
 from specboost.speculator.speculation_gate import (
     CHECK_MARGIN,
     CHECK_SHARE,
@@ -34,6 +34,10 @@ def test_a_walk_is_chain_decoding_along_the_text(agreements: list[list[bool]], l
     chain ran into it), a stop is a run a mismatch cut, and agreeing everywhere stops nothing."""
     walked = walk(agreements, length)
     for agrees in agreements:
+        runs = run_lengths(agrees)  # from each position, the agreements in a row
+        assert [int(r) for r in runs] == [
+            next((k for k, a in enumerate([*agrees[p:], False]) if not a)) for p in range(len(agrees))
+        ]
         alone = walk([agrees], length)
         assert len(agrees) <= alone.accepted + alone.steps <= len(agrees) + 1
         assert alone.steps == 0 or alone.accepted <= length * alone.steps

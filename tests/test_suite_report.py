@@ -17,7 +17,7 @@ import torch
 from transformers import BatchEncoding
 
 from specboost.decoder.bench import protocol as protocol_module
-from specboost.decoder.bench.diversity import summarise_matches, walk_steps, walks_at
+from specboost.decoder.bench.diversity import summarise_matches, walks_at
 from specboost.decoder.bench.markdown import (
     HEADLINE_MARKERS,
     RESULTS_MARKERS,
@@ -54,6 +54,7 @@ from specboost.decoder.bench.summary import (
     summarise,
     tables,
 )
+from specboost.speculator.hindsight_walk import walk_positions
 
 
 def stats(match_lengths: list[int], drafted_per_step: int, ssm: int = 0, times=(0.2, 0.6, 0.2)) -> dict:
@@ -685,7 +686,8 @@ def test_the_hindsight_walk_and_the_match_matrix_on_known_matches(tmp_path: Path
     takes 4 steps; the member of longest match at every step takes 2 (3 + 3 tokens)."""
     stories = np.array([[2, 0, 0, 0, 0, 0], [0, 0, 0, 2, 1, 0]])
     math = np.array([[1, 0], [0, 0]])  # SSM 0: one step of 2 tokens; SSM 1: 2 steps
-    assert [walk_steps(stories[0]), walk_steps(stories[1]), walk_steps(stories.max(axis=0))] == [4, 4, 2]
+    walks = [walk_positions(stories[0]), walk_positions(stories[1]), walk_positions(stories.max(axis=0))]
+    assert [len(w) for w in walks] == [4, 4, 2]
     diversity = summarise_matches({"stories": [stories], "math": [math], "qa": []}, chain_length=2)
     assert diversity.positions == {"stories": 6, "math": 2, "all": 8}  # qa: no output, left out
     assert diversity.prompts == {"stories": 1, "math": 1, "all": 2}

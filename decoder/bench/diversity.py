@@ -35,6 +35,7 @@ import torch
 from transformers import BatchEncoding, PreTrainedModel
 
 from specboost.decoder.bench.methods import unpadded
+from specboost.speculator.hindsight_walk import walk_positions
 from specboost.speculator.oracle_router import agreement_runs
 
 ALL = "all"  # the column over every category's positions
@@ -62,15 +63,6 @@ def match_runs(models: Sequence[PreTrainedModel], output: Output) -> np.ndarray:
     prompt, new = output
     reference = torch.tensor(prompt + new, device=models[0].device)
     return agreement_runs(list(models), reference)[:, len(prompt) - 1 : len(prompt) - 1 + len(new)]
-
-
-def walk_steps(matches: np.ndarray) -> int:
-    """Steps of the walk along one output whose step at position j moves 1 + matches[j] on."""
-    position, steps = 0, 0
-    while position < len(matches):
-        position += 1 + int(matches[position])
-        steps += 1
-    return steps
 
 
 def pool_diversity(
@@ -126,8 +118,8 @@ def summarise_matches(per_category: Mapping[str, Sequence[np.ndarray]], chain_le
         tokens, members = sum(m.shape[1] for m in matches), matches[0].shape[0]
         prompts[column], positions[column] = len(matches), tokens
         mean_match[column] = (sum(m.sum(axis=1) for m in matches) / tokens).tolist()
-        alone[column] = [tokens / sum(walk_steps(m[i]) for m in matches) for i in range(members)]
-        union[column] = tokens / sum(walk_steps(m.max(axis=0)) for m in matches)
+        alone[column] = [tokens / sum(len(walk_positions(m[i])) for m in matches) for i in range(members)]
+        union[column] = tokens / sum(len(walk_positions(m.max(axis=0))) for m in matches)
         gain[column] = union[column] / max(alone[column])
     return Diversity(chain_length, prompts, positions, mean_match, alone, union, gain)
 
