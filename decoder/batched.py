@@ -143,7 +143,7 @@ class BatchedDecoder:
             time_other=last.time_other,
             time_total=time.perf_counter() - start,
         )
-        pad = pad_token_id(decoder, rows[0].stop.eos_token_ids)
+        pad = pad_token_id(decoder, rows[0].stop.eos_token_ids, rows[0].settings.pad_token_id)
         sequences = _pad_right([row.new_tokens for row in rows], pad, input_ids.device)
         return BatchedOutput(
             torch.cat([input_ids, sequences], dim=1), stats, [row.finish_reason for row in rows]
@@ -158,9 +158,11 @@ def row_seeds(seed: int | None, rows: int) -> list[int | None]:
     return torch.randint(2**62, (rows,), generator=generator, device="cpu").tolist()
 
 
-def pad_token_id(decoder: LoopParts, eos_ids: frozenset[int]) -> int:
-    """What `generate` pads finished rows with: the pad token, else the (smallest) EOS token, else 0."""
-    pad = decoder.llm.generation_config.pad_token_id
+def pad_token_id(decoder: LoopParts, eos_ids: frozenset[int], requested: int | None = None) -> int:
+    """What `generate` pads finished rows with: the call's pad token (`requested`: its
+    `pad_token_id` option or generation config, as `generate` resolves it), else the model's, else
+    the (smallest) EOS token, else 0."""
+    pad = requested if requested is not None else decoder.llm.generation_config.pad_token_id
     if pad is None:
         pad = getattr(decoder.llm.config, "pad_token_id", None)
     if pad is None:

@@ -59,6 +59,9 @@ class RoutedDrafting:
         self._drafting = 0.0
         self._span: tuple[float, int] | None = None  # the gate's step began: when, at which `setup_count()`
         self._joining: list[SequenceState] = []  # rows joined since the last step: the gate's context (5.4)
+        self._admitted = 0  # rows in the group after the latest rows joined: whose batch the gate judges
+        self._progress: list[int] = []  # per row, the tokens it gained since it joined
+        self._slowest = 0  # the least of them when the gate last counted a step
 
     def add(self, rows: list[SequenceState]) -> None:
         """Rows join the group. The gate's next step begins where its drafting does: reading the new
@@ -67,6 +70,9 @@ class RoutedDrafting:
         self._joining += rows
         self.chains.add(len(rows))
         self.records += [ActionRecord() for _ in rows]
+        self._admitted = len(self.records)
+        self._progress += [0] * len(rows)
+        self._slowest = min(self._progress)
         joining = [learning_regime(row.probs.config.do_sample, row.seed is not None) for row in rows]
         self._regroup(self.regimes + joining)
         self.pacing.restart()  # decide for the new rows at once
@@ -77,6 +83,8 @@ class RoutedDrafting:
         self.chains.select(keep)
         self.pacing.select(keep)
         self.records = [self.records[i] for i in keep]
+        self._progress = [self._progress[i] for i in keep]  # the slowest row gone: no gain of the rest
+        self._slowest = min(self._progress, default=0)
         self._regroup([self.regimes[i] for i in keep])
         self._warm([rows[i] for i in keep])
 
@@ -121,7 +129,7 @@ class RoutedDrafting:
         if self._span is None:
             self._span = (start, setup_count())
         self.router = self.scheduler.router_for(self.regime)
-        gate = self._gate = self.scheduler.gate(len(rows), self.regime)
+        gate = self._gate = self.scheduler.gate(max(self._admitted, len(rows)), self.regime)
         greedy = all(row.rule is Rule.GREEDY for row in rows)  # argmax chains, processors or not
         self._holding = self._speculated = False
         if gate is not None and self._joining:
@@ -269,15 +277,24 @@ class RoutedDrafting:
     def observe(self, rows: list[SequenceState], accepted: list[list[int]], verify_seconds: float) -> None:
         """The step's whole time (from the end of the step before: the loop's work is its too; not
         timed where the decoder set itself up) goes to the gate and to the router's costs (5.2,
-        "The whole step"; 5.4)."""
+        "The whole step"; 5.4). The speculation gate is the one of the batch as it was admitted; it
+        counts the mean of the step's tokens per admitted row and of the slowest row's gain, so
+        that a step that leaves rows behind pays for half of it at once and the rows left behind
+        finish on the time of the regime that ran before them (5.4, "A batch is judged whole")."""
         now, setups = time.perf_counter(), setup_count()
         step = now - self._span[0] if setups == self._span[1] else None
         self._span = (now, setups)
+        gained = [len(nodes) + 1 for nodes in accepted]  # each row: its own token too
+        self._progress = [done + gain for done, gain in zip(self._progress, gained, strict=True)]
+        slowest, self._slowest = self._slowest, min(self._progress)
         if step is not None:
-            emitted = sum(len(nodes) for nodes in accepted) + len(accepted)  # each row: its own token too
-            for gate in (self._gate, self._hold if self._speculated else None):
-                if gate is not None:
-                    gate.step(emitted / len(accepted), step)
+            emitted = sum(gained)
+            admitted = max(self._admitted, len(accepted))
+            if self._gate is not None:
+                tokens = (emitted / admitted + self._slowest - slowest) / 2
+                self._gate.step(tokens, step, tail=len(accepted) < admitted)
+            if self._hold is not None and self._speculated:
+                self._hold.step(emitted / len(accepted), step)
         if self._plan is None:
             return
         matched = [len(nodes) for nodes in accepted]

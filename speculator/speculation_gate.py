@@ -63,6 +63,13 @@ along it say how many tokens a held chain would bring now against where the rout
 a check that reads the router CHECK_MARGIN times faster than plain decoding starts a trial at once.
 A trial measures the text at hand but costs a window and a half when it loses; the opening's
 context did not tell the quick suite's categories apart; the walk reads the text itself.
+A batch is judged whole: its rows drift apart while the router runs, and a static batch's call
+lasts until its slowest row is done, so the rows left behind finish on the gate of the batch as it
+was admitted, closing no window (`step`'s `tail`), and a step counts the mean of its tokens per
+admitted row and of the slowest row's gain, so that a step that leaves rows behind pays for half
+of it at once (`RoutedDrafting.observe`): read per running row, with the tail a smaller bucket's,
+the router had looked faster than plain decoding on three of the quick suite's four categories at
+batch 8, where it was slower on all.
 One gate per batch-size bucket: what pays at batch 1 says nothing about batch 8; a new bucket's
 gate starts where the nearest one stands (`RoutedScheduler.gate`). And one per learning regime
 (greedy, sampled, seeded: `RoutedScheduler.router_for`): what pays for one says nothing of another.
@@ -161,14 +168,15 @@ class SpeculationGate:
         self.checks_passed = 0
         self.checks_failed = 0  # in a row
 
-    def step(self, tokens: float, seconds: float) -> None:
-        """One step of the current regime emitted `tokens` per row in `seconds` of wall time (per
-        row: as a batch's rows finish, a compiled pass keeps its padded rows and its time, and the
-        tokens of the rows still running would otherwise make the regime running look slower).
-        The steps of the first `settle` tokens after a switch are the switch's, not the regime's:
-        the router's first steps after plain ones catch its SSMs up and find their weights out of
-        the CPU's caches, as plain steps after drafting find the LLM's; they count in what a lost
-        trial cost, not in the regime's rate."""
+    def step(self, tokens: float, seconds: float, tail: bool = False) -> None:
+        """One step of the current regime emitted `tokens` per row in `seconds` of wall time, as
+        `RoutedDrafting.observe` counts them for the batch as it was admitted. A `tail` step runs the rows
+        left after others finished: it adds to the window, which does not close in it, so that a
+        tail's time is the regime's that ran up to it (ALGORITHMS.md 5.4, "A batch is judged
+        whole"). The steps of the first `settle` tokens after a switch are the switch's, not the
+        regime's: the router's first steps after plain ones catch its SSMs up and find their
+        weights out of the CPU's caches, as plain steps after drafting find the LLM's; they count
+        in what a lost trial cost, not in the regime's rate."""
         self.steps[self.on] += 1
         if self._settling > 0:
             self._settling -= tokens
@@ -178,7 +186,7 @@ class SpeculationGate:
         window = self._window
         window[0] += tokens
         window[1] += seconds
-        if window[0] < self.window and not self._lost_already():
+        if tail or (window[0] < self.window and not self._lost_already()):
             return
         for regime, throughput in self.measured.items():
             throughput.decay(MOMENTUM if regime == self.on else IDLE_DECAY)

@@ -138,6 +138,23 @@ def test_sequences_stop_at_eos_at_different_steps(arch: str) -> None:
     assert min(per_token) <= out.stats.per_token_latency["mean"] <= max(per_token)
 
 
+def test_finished_rows_are_padded_with_the_requested_pad_token() -> None:
+    """A `pad_token_id` option pads the finished rows, as `generate` pads them. Before, the batch
+    was padded with the model's pad token or its EOS token whatever the call asked for."""
+    arch = "llama"
+    llm = llm_for(arch, 0)
+    rows = prompts(7, (4, 2, 9, 5))
+    continuations = [reference(arch, 0, torch.tensor([p]), 30)[0, len(p) :].tolist() for p in rows]
+    eos = eos_ids_for_ragged_stops(continuations)
+    pad = max(set(range(VOCAB)) - set(eos))
+    decoder = SpeculativeDecoder(llm, _noisy(0.05, 0.2)(arch, 0), shape=ChainShape(4))
+    ids, mask = left_pad(rows, pad_id=pad)
+    options = {"max_new_tokens": 30, "eos_token_id": eos, "pad_token_id": pad, "do_sample": False}
+    out = decoder.generate(ids, attention_mask=mask, **options)
+    assert out.sequences.tolist() == llm.generate(ids, attention_mask=mask, **options).tolist()
+    assert "length" in out.finish_reasons and "eos" in out.finish_reasons
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])  # 128 positions
 def test_rows_stop_at_the_context_limit(arch: str) -> None:
     """A long prompt reaches the context limit while a short one keeps going."""

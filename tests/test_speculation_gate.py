@@ -3,6 +3,7 @@ throughput, its trials of the losing regime, and decoding through it (still the 
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import math
@@ -419,23 +420,29 @@ def test_a_workload_that_turns_speculable_is_found_by_its_context(ratios) -> Non
 def drafting_in_vain() -> tuple[torch.nn.Module, SpeculativeDecoder]:
     """An LLM and a gated routed decoder whose one SSM matches nothing while its predictor and
     profile say drafting pays (no online correction): the router drafts at every step it decides."""
-    return gated_decoder(matching=False)
+    return gated_decoder("nothing")
 
 
 def drafting_exactly(predicted: list[float] | None = None) -> tuple[torch.nn.Module, SpeculativeDecoder]:
     """`drafting_in_vain`'s decoder (its predictor's estimates `predicted` per depth, by default
     1 and 4 tokens), its one SSM the LLM itself: every draft matches, so a hold keeps drafting."""
-    return gated_decoder(matching=True, predicted=predicted)
+    return gated_decoder("everything", predicted)
 
 
 def gated_decoder(
-    matching: bool, predicted: list[float] | None = None
+    matching: str, predicted: list[float] | None = None
 ) -> tuple[torch.nn.Module, SpeculativeDecoder]:
-    """An LLM and a gated routed decoder of one SSM (the LLM itself where `matching`), its predictor
+    """An LLM and a gated routed decoder of one SSM that matches "nothing" (another model),
+    "everything" (the LLM itself) or "some" (the LLM with noise on its weights), its predictor
     saying `predicted` tokens per depth (default 1 and 4), with no online correction."""
     llm = tiny_llama(layers=2, seed=0)
     predictor = constant_predictor([[predicted or [1.0, 4.0]] * 2])
-    ssm = llm if matching else tiny_llama(layers=1, seed=5)
+    ssm = tiny_llama(layers=1, seed=5) if matching == "nothing" else llm
+    if matching == "some":
+        ssm, noise = copy.deepcopy(llm), torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for weight in ssm.parameters():
+                weight.add_(0.3 * weight.std() * torch.randn(weight.shape, generator=noise))
     decoder = routed_decoder(llm, [ssm], predictor, gate=True)
     router = decoder.speculator.router
     router.calibration = router.costs = router.plain_costs = None  # keep drafting on the made-up numbers
@@ -603,17 +610,19 @@ def test_a_new_batch_size_starts_where_the_nearest_gate_stands() -> None:
 
 
 def recorded_gate_steps(
-    monkeypatch: pytest.MonkeyPatch, decoder: SpeculativeDecoder
+    monkeypatch: pytest.MonkeyPatch, decoder: SpeculativeDecoder, tails: list[bool] | None = None
 ) -> list[tuple[bool, float, float]]:
     """Every step `decoder`'s speculation gates measure from now on (not its hold gates): (on,
-    tokens per row, seconds)."""
+    tokens per row, seconds); whether each was a tail step, in `tails` where given."""
     measured: list[tuple[bool, float, float]] = []
     step = SpeculationGate.step
 
-    def recorded(gate: SpeculationGate, tokens: float, seconds: float) -> None:
+    def recorded(gate: SpeculationGate, tokens: float, seconds: float, tail: bool = False) -> None:
         if any(gate is g for g in decoder.speculator.gates.values()):
             measured.append((gate.on, tokens, seconds))
-        step(gate, tokens, seconds)
+            if tails is not None:
+                tails.append(tail)
+        step(gate, tokens, seconds, tail)
 
     monkeypatch.setattr(SpeculationGate, "step", recorded)
     return measured
@@ -636,16 +645,64 @@ def slow_proposals(
 
 
 def test_the_gate_counts_tokens_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch's step is measured in tokens per row: as its rows finish, a compiled pass keeps its
-    padded rows and its time, so total tokens would make the regime running look slower than the
-    other's rate, measured with more rows. Plain steps count 1 token per row at any batch size."""
+    """A batch's step is measured in tokens per row, so that windows hold as many tokens per row
+    at every batch size: plain steps count 1 token per row while every row runs."""
     _, decoder = drafting_in_vain()
-    counted = recorded_gate_steps(monkeypatch, decoder)
+    tails: list[bool] = []
+    counted = recorded_gate_steps(monkeypatch, decoder, tails)
     prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
     BatchedDecoder(decoder).generate(prompts, max_new_tokens=80)
-    off = [tokens for on, tokens, _ in counted if not on]
+    whole = [(on, tokens) for (on, tokens, _), tail in zip(counted, tails, strict=True) if not tail]
+    off = [tokens for on, tokens in whole if not on]
     assert off and set(off) == {1.0}
-    assert all(tokens >= 1.0 for on, tokens, _ in counted if on)
+    assert all(tokens >= 1.0 for on, tokens in whole if on)
+
+
+def test_a_batch_is_judged_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that others left behind (here: row 0 stops at its end-of-sequence token) finish on the
+    gate of the batch as it was admitted, the steps of fewer rows tail steps; each step counts the
+    mean of its tokens per admitted row and of the slowest row's gain (ALGORITHMS.md 5.4, "A
+    batch is judged whole"): no gate of a smaller batch size takes the tail, and a step that
+    leaves rows behind pays for half of it at once. Still the LLM's output."""
+    llm, decoder = gated_decoder("some")
+    prompts = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    options = {"max_new_tokens": 24, "pad_token_id": 0}
+    eos = int(llm.generate(prompts, do_sample=False, **options)[0, 6 + 4])  # row 0: 5 tokens
+    expected = llm.generate(prompts, do_sample=False, eos_token_id=eos, **options)
+    monkeypatch.setattr(routed_drafting, "setup_count", lambda: 0)  # every step measured
+    steps: list[tuple[int, int, int]] = []  # rows, tokens emitted, the slowest row's gain
+    progress: dict[int, int] = {}  # per row, the tokens it gained
+    observe = RoutedDrafting.observe
+
+    def counted(self: RoutedDrafting, rows, accepted, seconds) -> None:
+        before = min(progress.setdefault(id(row), 0) for row in rows)
+        for row, nodes in zip(rows, accepted, strict=True):
+            progress[id(row)] += len(nodes) + 1
+        gain = min(progress[id(row)] for row in rows) - before
+        steps.append((len(accepted), sum(len(nodes) + 1 for nodes in accepted), gain))
+        observe(self, rows, accepted, seconds)
+
+    monkeypatch.setattr(RoutedDrafting, "observe", counted)
+    tails: list[bool] = []
+    measured = recorded_gate_steps(monkeypatch, decoder, tails)
+    out = BatchedDecoder(decoder).generate(prompts, eos_token_id=eos, **options)
+    assert out.sequences.tolist() == expected.tolist()
+    assert {size for size, _ in decoder.speculator.gates} == {4}  # bucket(3): none of 2 or 1
+    assert len(measured) == len(steps) and any(tails) and not all(tails)
+    for (rows, emitted, gain), (_, tokens, _), tail in zip(steps, measured, tails, strict=True):
+        assert tokens == pytest.approx((emitted / 3 + gain) / 2) and tail == (rows < 3)
+    assert any(gain < emitted / rows for rows, emitted, gain in steps)  # rows drifted apart
+
+
+def test_a_tail_step_closes_no_window() -> None:
+    """A tail step adds to the regime's window, which closes at the next step of the whole batch:
+    the tail's time is the regime's that ran up to it."""
+    gate = SpeculationGate(8)
+    for _ in range(gate.window + 5):
+        gate.step(1.0, 0.001, tail=True)
+    assert gate.windows == 0
+    gate.step(1.0, 0.001)
+    assert gate.windows == 1 and gate.measured[True].rate == pytest.approx(1000.0)
 
 
 def test_a_step_that_set_something_up_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
