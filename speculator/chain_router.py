@@ -12,18 +12,22 @@ clipped to [0, the row's tokens wanted]):
 choose the length d and the set U of SSMs that draft this step; every row takes its best SSM of U,
 e_b = max_{i in U} f[b, i, d]; the score is
 
-    score(d, U) = (B + sum_b e_b) / (v L_verify(B, 1 + d) + g sum_{i in U} L_chain(i, n_i, d))
+    score(d, U) = T(e) / (v L_verify(B, 1 + d) + g sum_{i in U} L_chain(i, n_i, d)),
+    T(e) = (B + sum_b e_b) / 2 + B (1 + max_b r_b - max_b (r_b - e_b)) / 2
 
-with n_i the rows routed to SSM i, L_verify and L_chain the profile's chain tables at this batch
+with T the batch judged whole (ALGORITHMS.md 5.3, "A batch is judged whole"; `batch_tokens`): half
+the mean row's gain and half the gain of the row with the most tokens left, which a static batch's
+call waits for, as the speculation gate counts a step (5.4); r_b the tokens row b may still draft,
+n_i the rows routed to SSM i, L_verify and L_chain the profile's chain tables at this batch
 size (`CostModel.chain_verify_time`, `chain_draft_table`: its sampled chains' table when the rows
 draft host trees, sampled or processed) and v, g the online cost corrections of
 drafting steps (section 5.2); on the compiled loop an SSM with a row further behind than one
 compiled catch-up pass takes also pays its eager pass's extra time, shared by the mean drafting
 stretch (`Stretches`; ALGORITHMS.md 5.3, "Catching up"). "No draft" for the whole batch scores
 B / (v_plain L_verify(B, 1)), plain steps' own correction: plain decoding, so the rule never
-speculates where it expects to lose. Then K = 0 per row: a row whose e_b is worth
-less than the drafting time it adds (e_b x seconds < tokens x its marginal L_chain) drafts nothing,
-but for the most promising row (all rows off is the plain step, already scored above).
+speculates where it expects to lose. Then K = 0 per row: a row whose draft is worth less than the
+drafting time it adds (what T loses without it x seconds < T x its marginal L_chain) drafts
+nothing, but for the most promising row (all rows off is the plain step, already scored above).
 The verify pass pads every row to the longest chain, so a row's own length only changes the
 drafting. All (d, U) pairs are scored at once: at most `max_subsets` sets U (every subset of a
 small pool; else each SSM alone and the whole pool). At batch 1 this is the argmax over (SSM i,
@@ -32,6 +36,7 @@ length d) and "plain" of (1 + f_i(d)) / (L_verify(1 + d) + L_chain(i, 1, d)).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -57,6 +62,22 @@ def held_run(rate: float, length: int) -> float:
     """The expected accepted tokens of a chain of `length`, each drafted token accepted with
     probability `rate` once the ones before it were (5.4, "Holding")."""
     return length if rate >= 1 else rate * (1 - rate**length) / (1 - rate)
+
+
+def batch_tokens(cap: np.ndarray, gain: np.ndarray, axis: int = 0) -> np.ndarray:
+    """What a step brings a batch whose rows gain `gain` (expected tokens beyond the step's own,
+    rows along `axis`) and may still draft `cap` [B]: half the rows' mean gain and half the gain
+    of the row with the most tokens left, times B (ALGORITHMS.md 5.3, "A batch is judged whole").
+    A static batch's call lasts until its slowest row is done, so a step that brings most rows
+    four tokens and that one a single token is worth little more than a plain step; the rows it
+    moves ahead still count for half, since they leave the batch sooner and its later steps cost
+    less (the gate's count, 5.4, whose half weight was measured). At B = 1: 1 + e."""
+    shape = [1] * gain.ndim
+    shape[axis] = -1
+    left = cap.reshape(shape)
+    rows = gain.shape[axis]
+    slowest = 1 + left.max() - (left - gain).max(axis)
+    return (rows + gain.sum(axis) + rows * slowest) / 2
 
 
 @dataclass
@@ -370,7 +391,7 @@ class ChainRouter:
         if behind is not None:
             late = np.asarray(behind) > COMPILED_MAX_CHAIN
         catch_up_s = late * (g * catch_up / self.stretches.mean)  # [B, S], amortised (module doc)
-        route = self._route(f, verify_s, g * draft, catch_up_s)
+        route = self._route(f, verify_s, g * draft, catch_up_s, cap)
         if route is None:
             return self.plain(cap)
         ssm, d, advantage = route
@@ -474,14 +495,20 @@ class ChainRouter:
         return self._plain[rows]
 
     def _route(
-        self, f: np.ndarray, verify: np.ndarray, draft: np.ndarray, catch_up: np.ndarray
+        self,
+        f: np.ndarray,
+        verify: np.ndarray,
+        draft: np.ndarray,
+        catch_up: np.ndarray,
+        cap: np.ndarray,
     ) -> tuple[np.ndarray, int, float] | None:
         """A batch: the best (depth, SSM set) routing, then K = 0 per row; None if plain is better.
-        Costs are corrected: `verify` [D + 1], `draft` [S, B + 1, D], `catch_up` [B, S] (an SSM's
-        one catch-up pass is eager if any row routed to it is far behind). Returns each row's SSM
-        (NO_SSM: none), the depth index and the routing's score over a plain step's (before K = 0
-        per row, which only raises it)."""
+        `cap` [B]: the tokens each row may still draft. Costs are corrected: `verify` [D + 1],
+        `draft` [S, B + 1, D], `catch_up` [B, S] (an SSM's one catch-up pass is eager if any row
+        routed to it is far behind). Returns each row's SSM (NO_SSM: none), the depth index and
+        the routing's score over a plain step's (before K = 0 per row, which only raises it)."""
         rows = f.shape[0]
+        count = functools.partial(batch_tokens, cap)
         masked = np.where(self.subsets[:, None, :, None], f[None], -np.inf)  # [U, B, S, D]
         best = masked.argmax(2)  # [U, B, D] each row's SSM in U
         gain = np.take_along_axis(masked, best[:, :, None], 2)[:, :, 0]  # [U, B, D]
@@ -491,7 +518,7 @@ class ChainRouter:
         drafting = draft[np.arange(self.num_ssms), routed, depth[None, :, None]].sum(-1)  # [U, D]
         if catch_up.any():
             drafting += (mine * catch_up[None, :, None, :]).max(1).sum(-1)
-        tokens = rows + gain.sum(1)  # [U, D]
+        tokens = count(gain, axis=1)  # [U, D]
         score = tokens / (verify[1:] + drafting)
         u, d = np.unravel_index(score.argmax(), score.shape)
         if rows / verify[0] >= score[u, d]:
@@ -503,13 +530,17 @@ class ChainRouter:
         # K = 0 per row, the least promising rows first; never the last one: a step with no row
         # drafting is a plain step, priced above at plain steps' own cost (v_plain), not as a
         # verify of 1 + d tokens with no drafting
+        e = e.copy()
         for b in np.argsort(e)[:-1]:
             i = ssm[b]
             marginal = draft[i, counts[i], d] - draft[i, counts[i] - 1, d]
-            if e[b] * (verify_s + drafting_s) >= tokens_kept * marginal:
-                break
+            kept, e[b] = e[b], 0.0
+            without = float(count(e))
+            if (tokens_kept - without) * (verify_s + drafting_s) >= tokens_kept * marginal:
+                e[b] = kept  # the row with the most tokens left may be worth more than its e_b
+                continue
             ssm[b], counts[i] = NO_SSM, counts[i] - 1
-            tokens_kept, drafting_s = tokens_kept - e[b], drafting_s - marginal
+            tokens_kept, drafting_s = without, drafting_s - marginal
         return ssm, int(d), advantage
 
     def observe(
