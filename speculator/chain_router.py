@@ -36,7 +36,6 @@ length d) and "plain" of (1 + f_i(d)) / (L_verify(1 + d) + L_chain(i, 1, d)).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -508,7 +507,6 @@ class ChainRouter:
         routed to it is far behind). Returns each row's SSM (NO_SSM: none), the depth index and
         the routing's score over a plain step's (before K = 0 per row, which only raises it)."""
         rows = f.shape[0]
-        count = functools.partial(batch_tokens, cap)
         masked = np.where(self.subsets[:, None, :, None], f[None], -np.inf)  # [U, B, S, D]
         best = masked.argmax(2)  # [U, B, D] each row's SSM in U
         gain = np.take_along_axis(masked, best[:, :, None], 2)[:, :, 0]  # [U, B, D]
@@ -518,7 +516,7 @@ class ChainRouter:
         drafting = draft[np.arange(self.num_ssms), routed, depth[None, :, None]].sum(-1)  # [U, D]
         if catch_up.any():
             drafting += (mine * catch_up[None, :, None, :]).max(1).sum(-1)
-        tokens = count(gain, axis=1)  # [U, D]
+        tokens = batch_tokens(cap, gain, axis=1)  # [U, D]
         score = tokens / (verify[1:] + drafting)
         u, d = np.unravel_index(score.argmax(), score.shape)
         if rows / verify[0] >= score[u, d]:
@@ -529,18 +527,21 @@ class ChainRouter:
         tokens_kept, verify_s, drafting_s = float(tokens[u, d]), float(verify[1 + d]), float(drafting[u, d])
         # K = 0 per row, the least promising rows first; never the last one: a step with no row
         # drafting is a plain step, priced above at plain steps' own cost (v_plain), not as a
-        # verify of 1 + d tokens with no drafting
-        e = e.copy()
+        # verify of 1 + d tokens with no drafting. A row's draft is worth half its e_b and half
+        # what the slowest row's gain loses without it (`batch_tokens`), updated in plain Python:
+        # `batch_tokens` per row took a batch-8 decision from 145 us to 203 us, this 182 us
+        left, gains = cap.tolist(), e.tolist()
+        behind = [r - x for r, x in zip(left, gains, strict=True)]  # each row's tokens left, after
         for b in np.argsort(e)[:-1]:
             i = ssm[b]
             marginal = draft[i, counts[i], d] - draft[i, counts[i] - 1, d]
-            kept, e[b] = e[b], 0.0
-            without = float(count(e))
-            if (tokens_kept - without) * (verify_s + drafting_s) >= tokens_kept * marginal:
-                e[b] = kept  # the row with the most tokens left may be worth more than its e_b
+            slowest, behind[b] = max(behind), left[b]
+            lost = (gains[b] + rows * (max(behind) - slowest)) / 2
+            if lost * (verify_s + drafting_s) >= tokens_kept * marginal:
+                behind[b] -= gains[b]  # kept: the row with the most tokens left may be worth more
                 continue
             ssm[b], counts[i] = NO_SSM, counts[i] - 1
-            tokens_kept, drafting_s = without, drafting_s - marginal
+            tokens_kept, drafting_s = tokens_kept - lost, drafting_s - marginal
         return ssm, int(d), advantage
 
     def observe(
