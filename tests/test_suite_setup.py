@@ -20,7 +20,7 @@ from specboost.decoder.cli import main
 from specboost.decoder.profiler import SAMPLED_TEMPERATURE
 from specboost.speculator.prompt_sets import BUNDLED_PROMPT_SETS
 from specboost.training import bench_fixture
-from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps
+from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps, reads
 from specboost.training.distill import parse_prompt_sets
 
 
@@ -188,11 +188,16 @@ def test_a_pool_of_specialists_learns_a_mix_and_a_generalist_the_same_data(tmp_p
 
 
 def fake_steps(tmp_path: Path) -> list[Step]:
-    """Two steps that each write their output file (and count their runs in runs.txt)."""
+    """Steps that each write their output file (and count their runs in runs.txt): a, then b,
+    whose command names a's output (it reads it), then c, which reads nothing."""
     script = "import sys, pathlib; p = pathlib.Path(sys.argv[1]); p.write_text('x'); " + (
         "r = p.parent / 'runs.txt'; r.write_text(r.read_text() + p.name if r.exists() else p.name)"
     )
-    return [Step(name, ("-c", script, str(tmp_path / name)), tmp_path / name) for name in ("a", "b")]
+    inputs = {"a": (), "b": (str(tmp_path / "a"),), "c": ()}
+    return [
+        Step(name, ("-c", script, str(tmp_path / name), *read), tmp_path / name)
+        for name, read in inputs.items()
+    ]
 
 
 def runs(tmp_path: Path) -> str:
@@ -205,25 +210,49 @@ def test_a_built_step_is_cached_until_its_command_or_output_changes(
     steps = fake_steps(tmp_path)
     monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: steps)
     first = build_fixture("tiny", tmp_path, log=lambda _: None)
-    assert [(o.name, o.cached) for o in first.steps] == [("a", False), ("b", False)]
-    assert runs(tmp_path) == "ab"
+    assert [(o.name, o.cached) for o in first.steps] == [("a", False), ("b", False), ("c", False)]
+    assert runs(tmp_path) == "abc"
     marker = json.loads((tmp_path / "bench-fixture" / "tiny" / "done" / "a.json").read_text())
     assert marker["argv"] == list(steps[0].argv) and marker["seconds"] > 0
 
     second = build_fixture("tiny", tmp_path, log=lambda _: None)
-    assert [o.cached for o in second.steps] == [True, True]
+    assert [o.cached for o in second.steps] == [True, True, True]
     assert second.steps[0].seconds == first.steps[0].seconds  # the original build time
-    assert runs(tmp_path) == "ab"
+    assert runs(tmp_path) == "abc"
 
-    (tmp_path / "b").unlink()  # output gone: b runs again, a stays cached
+    (tmp_path / "b").unlink()  # output gone: b runs again, a and c stay cached
     build_fixture("tiny", tmp_path, log=lambda _: None)
-    assert runs(tmp_path) == "abb"
+    assert runs(tmp_path) == "abcb"
 
-    # A changed command runs that step, and every later step with it.
+    # A changed command runs that step, and every step that reads what it wrote: b, not c.
     steps[0] = Step("a", (*steps[0].argv, "--new-setting"), steps[0].output)
     assert cached_outcome(tmp_path / "bench-fixture" / "tiny", steps[0]) is None
-    build_fixture("tiny", tmp_path, log=lambda _: None)
-    assert runs(tmp_path) == "abbab"
+    third = build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert runs(tmp_path) == "abcbab"
+    assert [o.cached for o in third.steps] == [False, False, True]
+
+
+def test_a_new_greedy_pool_rebuilds_what_reads_it_and_leaves_the_sampling_pool(tmp_path: Path) -> None:
+    """The quick fixture's steps, read for what each reads: a greedy boost run rebuilt reaches its
+    labels, predictor, profile, Sequoia vectors and export, and the sampling pool only through the
+    profile its own takes (`--like`); its distillation, training and labels stay cached."""
+    steps = fixture_steps("tiny", tmp_path, threads=1)
+    ran = [s for s in steps if s.name == "boost"]
+    for step in steps[[s.name for s in steps].index("boost") + 1 :]:
+        if any(reads(step, earlier) for earlier in ran):
+            ran.append(step)
+    assert [s.name for s in ran] == [
+        "boost",
+        "predictor-data",
+        "predictor",
+        "profile",
+        "sequoia-acceptance",
+        "export",
+        "profile-sampled",
+        "export-sampled",
+    ]
+    trunk, boost = (next(s for s in steps if s.name == name) for name in ("trunk", "boost"))
+    assert reads(boost, trunk) and not reads(trunk, boost)
 
 
 def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resumes(
@@ -233,8 +262,8 @@ def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resum
     is removed before it runs, since a boost run refuses another run's folder and a labelling run
     would resume from labels of SSMs since retrained. A step killed mid-run (its "started" marker
     names the same command) resumes from what it left; an `--out` outside the cache (the reference
-    LLM's, shared with `make reference-llm`) is never removed. A step after one that ran in the
-    same build starts afresh even from its own interrupted run: that run read older inputs."""
+    LLM's, shared with `make reference-llm`) is never removed. A step that reads one that ran in
+    the same build starts afresh even from its own interrupted run: that run read older inputs."""
     cache = tmp_path / "bench-fixture" / "tiny"
     out, shared = cache / "pool", tmp_path / "reference-llm"
     script = (
@@ -243,8 +272,8 @@ def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resum
         "(o / 'seen.txt').write_text(' '.join(seen)); (o / 'record.json').write_text('{}')"
     )
 
-    def step(setting: str, where: Path = out) -> Step:
-        return Step("boost", ("-c", script, "--out", str(where), setting), where / "record.json")
+    def step(*settings: str, where: Path = out) -> Step:
+        return Step("boost", ("-c", script, "--out", str(where), *settings), where / "record.json")
 
     steps = [step("--old")]
     monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: steps)
@@ -261,10 +290,11 @@ def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resum
     build_fixture("tiny", tmp_path, log=lambda _: None)
     assert "checkpoint" in (out / "seen.txt").read_text().split()
 
-    # Its upstream step runs again in this build: an interrupted run of it is stale too.
+    # A step it reads runs again in this build: an interrupted run of it is stale too.
     upstream = Step(
         "trunk", ("-c", script, "--out", str(cache / "trunk"), "--x"), cache / "trunk" / "record.json"
     )
+    steps[0] = step("--ssm-base", str(cache / "trunk" / "ssm-0"))
     steps.insert(0, upstream)
     (out / "checkpoint").write_text("from SSMs since retrained")
     (cache / "done" / "boost.started.json").write_text(json.dumps({"argv": list(steps[1].argv)}))
@@ -274,7 +304,7 @@ def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resum
 
     shared.mkdir()
     (shared / "model.bin").write_text("kept")
-    steps[0] = step("--other", shared)
+    steps[0] = step("--other", where=shared)
     build_fixture("tiny", tmp_path, log=lambda _: None)
     assert (shared / "model.bin").exists()
 
@@ -352,7 +382,7 @@ def test_the_suite_finds_its_fixture_by_the_build_record(
     assert record["paths"]["generalist_export"] == str(
         tmp_path / "bench-fixture" / "tiny" / "generalist-export"
     )
-    assert [step["name"] for step in record["steps"]] == ["a", "b"] and not record["steps"][0]["cached"]
+    assert [step["name"] for step in record["steps"]] == ["a", "b", "c"] and not record["steps"][0]["cached"]
     assert main(["bench", "--suite", "quick", "--artifacts", str(tmp_path), "--dry-run"]) == 0
     assert "the suite would run on the fixture tiny" in capsys.readouterr().out
 

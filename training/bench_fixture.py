@@ -28,9 +28,12 @@ Everything but the reference LLM goes into the cache folder ARTIFACTS/bench-fixt
 
 A step that finishes writes `done/<step>.json` (atomically) with its command and duration; a
 later build skips a step whose marker holds the same command and whose output exists, so a
-cached build costs nothing. Once a step runs, every later step runs too (they may depend on it),
-each resuming through its own logic (every training step resumes after a kill and is a no-op
-when its output is complete). To rebuild a step from scratch, delete its output and its marker.
+cached build costs nothing. Once a step runs, every later step that reads what it wrote runs too
+(`reads`: an argument of its command names the step's `--out`, a path inside it or a folder
+holding it), each resuming through its own logic (every training step resumes after a kill and
+is a no-op when its output is complete); the others stay cached, so a new greedy pool leaves the
+sampling pool's distillation and training alone. To rebuild a step from scratch, delete its
+output and its marker.
 Every build ends by writing `fixture.json` (its model paths and steps) into the cache folder:
 `specboost bench --suite` finds the fixture's models there (a record from before the generalist
 has no `generalist_export`: the suite then lists its rows as not run).
@@ -351,6 +354,23 @@ def cached_outcome(cache: Path, step: Step) -> StepOutcome | None:
     return StepOutcome(step.name, True, record["seconds"], record["finished"])
 
 
+def reads(step: Step, earlier: Step) -> bool:
+    """Whether `step` reads what `earlier` wrote: an argument of its command names `earlier`'s
+    `--out` (its output, without one), a path inside it or a folder holding it. A step whose own
+    `--out` lies inside an earlier one's counts too: rebuilding that one removes its folder."""
+    written = _written(earlier)
+    return any(_overlaps(Path(arg).resolve(), written) for arg in step.argv)
+
+
+def _written(step: Step) -> Path:
+    argv = step.argv
+    return Path(argv[argv.index("--out") + 1] if "--out" in argv else step.output).resolve()
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
 def build_fixture(
     name: str,
     artifacts: Path = Path("artifacts"),
@@ -359,21 +379,22 @@ def build_fixture(
     log: Callable[[str], None] = print,
     build_threads: int | None = None,
 ) -> FixtureBuild:
-    """Run the steps of fixture `name` that are not cached, and every step after one that runs
-    (none with `dry_run`: only report). The steps are listed again after each one, since a step's
-    output can shape later commands (the SSMs the boost run produced)."""
+    """Run the steps of fixture `name` that are not cached, and every step that `reads` one that
+    runs (none with `dry_run`: only report). The steps are listed again after each one, since a
+    step's output can shape later commands (the SSMs the boost run produced)."""
     start = time.perf_counter()
     paths = FixturePaths.of(name, artifacts)
     build = FixtureBuild(name, paths)
-    upstream_ran = False
+    ran: list[Step] = []
     for index in range(len(fixture_steps(name, artifacts, threads, build_threads))):
         step = fixture_steps(name, artifacts, threads, build_threads)[index]
-        outcome = None if upstream_ran else cached_outcome(paths.cache, step)
+        # A step it reads ran in this build: it runs too, and what its --out holds is stale.
+        fresh = any(reads(step, earlier) for earlier in ran)
+        outcome = None if fresh else cached_outcome(paths.cache, step)
         if outcome is not None:
             log(f"[fixture {name}] {step.name}: cached (built in {outcome.seconds:.0f} s)")
         else:
-            fresh = upstream_ran  # a step before it ran in this build: what its --out holds is stale
-            upstream_ran = True
+            ran.append(step)
             log(
                 f"[fixture {name}] {step.name}: {'to build: ' if dry_run else ''}"
                 f"python {' '.join(step.argv + step.speed_args)}"
@@ -390,7 +411,7 @@ def build_fixture(
 
 
 def _run_step(cache: Path, step: Step, fresh: bool) -> StepOutcome:
-    """Run `step`. A step run afresh (`fresh`: a step before it ran in this build; or not resuming
+    """Run `step`. A step run afresh (`fresh`: a step it reads ran in this build; or not resuming
     its own interrupted run, which its "started" marker names) first removes what its `--out`
     holds: the output of an earlier recipe or of earlier upstream outputs, which the training
     commands refuse to overwrite (a boost run with other settings) or would resume from as if
