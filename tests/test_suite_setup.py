@@ -20,7 +20,14 @@ from specboost.decoder.cli import main
 from specboost.decoder.profiler import SAMPLED_TEMPERATURE
 from specboost.speculator.prompt_sets import BUNDLED_PROMPT_SETS
 from specboost.training import bench_fixture
-from specboost.training.bench_fixture import Step, build_fixture, cached_outcome, fixture_steps, reads
+from specboost.training.bench_fixture import (
+    Step,
+    build_fixture,
+    cached_outcome,
+    fixture_steps,
+    readers,
+    reads,
+)
 from specboost.training.distill import parse_prompt_sets
 
 
@@ -237,12 +244,8 @@ def test_a_new_greedy_pool_rebuilds_what_reads_it_and_leaves_the_sampling_pool(t
     labels, predictor, profile, Sequoia vectors and export, and the sampling pool only through the
     profile its own takes (`--like`); its distillation, training and labels stay cached."""
     steps = fixture_steps("tiny", tmp_path, threads=1)
-    ran = [s for s in steps if s.name == "boost"]
-    for step in steps[[s.name for s in steps].index("boost") + 1 :]:
-        if any(reads(step, earlier) for earlier in ran):
-            ran.append(step)
-    assert [s.name for s in ran] == [
-        "boost",
+    boost = [s.name for s in steps].index("boost")
+    assert [s.name for s in readers(steps[boost], steps[boost + 1 :])] == [
         "predictor-data",
         "predictor",
         "profile",
@@ -251,8 +254,31 @@ def test_a_new_greedy_pool_rebuilds_what_reads_it_and_leaves_the_sampling_pool(t
         "profile-sampled",
         "export-sampled",
     ]
-    trunk, boost = (next(s for s in steps if s.name == name) for name in ("trunk", "boost"))
-    assert reads(boost, trunk) and not reads(trunk, boost)
+    trunk = steps[boost - 1]
+    assert trunk.name == "trunk" and reads(steps[boost], trunk) and not reads(trunk, steps[boost])
+
+
+def test_a_build_killed_after_a_step_still_rebuilds_what_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The markers of the steps that read a step go before it runs: a build killed after it
+    finished, before they ran, leaves them to the next build, which would otherwise find their
+    old markers with the same commands and keep outputs made from the older inputs."""
+    steps = fake_steps(tmp_path)
+    monkeypatch.setattr(bench_fixture, "fixture_steps", lambda *_: steps)
+    build_fixture("tiny", tmp_path, log=lambda _: None)
+    steps[0] = Step("a", (*steps[0].argv, "--new-setting"), steps[0].output)
+
+    def killed_before_b(line: str) -> None:
+        if "] b: python" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_fixture("tiny", tmp_path, log=killed_before_b)
+    assert runs(tmp_path) == "abca"
+    resumed = build_fixture("tiny", tmp_path, log=lambda _: None)
+    assert runs(tmp_path) == "abcab"
+    assert [o.cached for o in resumed.steps] == [True, False, True]
 
 
 def test_a_step_run_afresh_starts_from_an_empty_out_but_an_interrupted_one_resumes(

@@ -30,7 +30,8 @@ A step that finishes writes `done/<step>.json` (atomically) with its command and
 later build skips a step whose marker holds the same command and whose output exists, so a
 cached build costs nothing. Once a step runs, every later step that reads what it wrote runs too
 (`reads`: an argument of its command names the step's `--out`, a path inside it or a folder
-holding it), each resuming through its own logic (every training step resumes after a kill and
+holding it; their markers go before it runs, so a build killed in between still rebuilds them),
+each resuming through its own logic (every training step resumes after a kill and
 is a no-op when its output is complete); the others stay cached, so a new greedy pool leaves the
 sampling pool's distillation and training alone. To rebuild a step from scratch, delete its
 output and its marker.
@@ -48,7 +49,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -343,6 +344,10 @@ def _marker(cache: Path, step: Step) -> Path:
     return cache / "done" / f"{step.name}.json"
 
 
+def _started_marker(cache: Path, step: Step) -> Path:
+    return _marker(cache, step).with_suffix(".started.json")
+
+
 def cached_outcome(cache: Path, step: Step) -> StepOutcome | None:
     """The outcome recorded by an earlier build of this very step, if its output still exists."""
     marker = _marker(cache, step)
@@ -360,6 +365,15 @@ def reads(step: Step, earlier: Step) -> bool:
     `--out` lies inside an earlier one's counts too: rebuilding that one removes its folder."""
     written = _written(earlier)
     return any(_overlaps(Path(arg).resolve(), written) for arg in step.argv)
+
+
+def readers(step: Step, later: Sequence[Step]) -> list[Step]:
+    """The steps of `later` that read what `step` writes, directly or through one another."""
+    found: list[Step] = []
+    for candidate in later:
+        if any(reads(candidate, source) for source in (step, *found)):
+            found.append(candidate)
+    return found
 
 
 def _written(step: Step) -> Path:
@@ -385,23 +399,25 @@ def build_fixture(
     start = time.perf_counter()
     paths = FixturePaths.of(name, artifacts)
     build = FixtureBuild(name, paths)
-    ran: list[Step] = []
+    stale: set[str] = set()  # steps that read one that runs in this build
     for index in range(len(fixture_steps(name, artifacts, threads, build_threads))):
-        step = fixture_steps(name, artifacts, threads, build_threads)[index]
-        # A step it reads ran in this build: it runs too, and what its --out holds is stale.
-        fresh = any(reads(step, earlier) for earlier in ran)
-        outcome = None if fresh else cached_outcome(paths.cache, step)
+        steps = fixture_steps(name, artifacts, threads, build_threads)
+        step = steps[index]
+        outcome = None if step.name in stale else cached_outcome(paths.cache, step)
         if outcome is not None:
             log(f"[fixture {name}] {step.name}: cached (built in {outcome.seconds:.0f} s)")
         else:
-            ran.append(step)
+            followers = readers(step, steps[index + 1 :])
+            stale.update(follower.name for follower in followers)
             log(
                 f"[fixture {name}] {step.name}: {'to build: ' if dry_run else ''}"
                 f"python {' '.join(step.argv + step.speed_args)}"
             )
             if dry_run:
                 continue
-            outcome = _run_step(paths.cache, step, fresh)
+            for follower in followers:  # before it runs: a kill from here on leaves them stale
+                _forget(paths.cache, follower)
+            outcome = _run_step(paths.cache, step)
             log(f"[fixture {name}] {step.name}: done in {outcome.seconds:.0f} s")
         build.steps.append(outcome)
     build.seconds = time.perf_counter() - start
@@ -410,18 +426,22 @@ def build_fixture(
     return build
 
 
-def _run_step(cache: Path, step: Step, fresh: bool) -> StepOutcome:
-    """Run `step`. A step run afresh (`fresh`: a step it reads ran in this build; or not resuming
-    its own interrupted run, which its "started" marker names) first removes what its `--out`
-    holds: the output of an earlier recipe or of earlier upstream outputs, which the training
-    commands refuse to overwrite (a boost run with other settings) or would resume from as if
-    current (labels of SSMs since retrained)."""
-    started_marker = _marker(cache, step).with_suffix(".started.json")
-    resuming = (
-        not fresh
-        and started_marker.is_file()
-        and json.loads(started_marker.read_text())["argv"] == list(step.argv)
-    )
+def _forget(cache: Path, step: Step) -> None:
+    """A step it reads is about to run: its done-marker goes, so that it runs again even if this
+    build is killed before it, and its "started" marker, so that it does not resume a run that
+    read the older inputs."""
+    _marker(cache, step).unlink(missing_ok=True)
+    _started_marker(cache, step).unlink(missing_ok=True)
+
+
+def _run_step(cache: Path, step: Step) -> StepOutcome:
+    """Run `step`. A step that is not resuming its own interrupted run (its "started" marker names
+    the same command; `_forget` removed it where a step it reads has run since) first removes what
+    its `--out` holds: the output of an earlier recipe or of earlier upstream outputs, which the
+    training commands refuse to overwrite (a boost run with other settings) or would resume from
+    as if current (labels of SSMs since retrained)."""
+    started_marker = _started_marker(cache, step)
+    resuming = started_marker.is_file() and json.loads(started_marker.read_text())["argv"] == list(step.argv)
     if not resuming:
         _clear_output(cache, step)
         started_marker.parent.mkdir(parents=True, exist_ok=True)
