@@ -81,6 +81,14 @@ def test_agreement_is_the_ssm_s_teacher_forced_argmax_and_catches_it_up() -> Non
     for text, chain in zip(texts, chains.tolist(), strict=True):
         expected = ssm.generate(torch.tensor([text]), max_new_tokens=3, do_sample=False)[0, len(text) :]
         assert chain == expected.tolist()
+    # Rows whose prompts are read without logits beside a row judged from its first token, and a
+    # row whose start is past its text (nothing judged): the same answers as one full pass.
+    mixed = BatchedChainDrafter(ssm)
+    mixed.add_sequences(3)
+    ragged = [*texts, texts[1][:5]]
+    assert mixed.agreement(ragged, [11, 0, 9]) == [
+        reference(t, s, len(t)) for t, s in zip(ragged, [11, 0, 9], strict=True)
+    ]
 
 
 def off_after_measuring(gate: SpeculationGate, on: float, off: float, windows: float = 1) -> None:
